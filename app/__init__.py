@@ -1,0 +1,1 @@
+"""Collage's web app, REST API and command line."""

@@ -1,0 +1,110 @@
+"""The ``collage`` command line.
+
+Heavy imports (torch, transformers) happen inside the commands that need them, so ``collage --help`` and the
+light commands stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_build_tiny(args: argparse.Namespace) -> int:
+    from training.models.tiny import build_tiny
+
+    out = build_tiny(args.family, args.out)
+    print(f"built tiny {args.family} model in {out}")
+    return 0
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from training.data.synth import write_synth
+
+    file = write_synth(
+        args.task,
+        args.out,
+        rows=args.rows,
+        min_images=args.min_images,
+        max_images=args.max_images,
+        seed=args.seed,
+        fmt=args.format,
+        size=args.image_size,
+    )
+    print(f"wrote {args.rows} rows of {args.task} to {file}")
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from training.data.check import check_dataset
+
+    if args.max_prompt_length is not None and args.model is None:
+        print("collage: error: --max-prompt-length needs --model to count the prompt's tokens", file=sys.stderr)
+        return 2
+    report = check_dataset(args.source, split=args.split, model=args.model, max_prompt_length=args.max_prompt_length)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        for err in report.errors:
+            print(str(err))
+        print(report.summary())
+    if report.rows == 0:
+        print(f"{args.source}: the split {args.split!r} has no rows", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from training.data.synth import TASKS
+    from training.models.families import TINY_FAMILIES
+
+    parser = argparse.ArgumentParser(prog="collage", description="GRPO/RLOO fine-tuning of multi-image VLMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    models = commands.add_parser("models", help="build and inspect models").add_subparsers(dest="sub", required=True)
+    tiny = models.add_parser("build-tiny", help="build a tiny random-weight VLM offline")
+    tiny.add_argument("family", choices=TINY_FAMILIES)
+    tiny.add_argument("--out", required=True, help="folder to write (must be new or empty)")
+    tiny.set_defaults(func=_cmd_build_tiny)
+
+    data = commands.add_parser("data", help="synthetic data and dataset checks").add_subparsers(
+        dest="sub", required=True
+    )
+    synth = data.add_parser("synth", help="write a synthetic multi-image dataset")
+    synth.add_argument("task", choices=sorted(TASKS))
+    synth.add_argument("--rows", type=int, default=256)
+    synth.add_argument("--min-images", type=int, default=0, help="0 mixes text-only rows in")
+    synth.add_argument("--max-images", type=int, default=3)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    synth.add_argument("--image-size", type=int, default=56, help="side of each square image in pixels")
+    synth.add_argument("--out", required=True)
+    synth.set_defaults(func=_cmd_synth)
+
+    check = data.add_parser("check", help="validate a dataset before spending GPU time on it")
+    check.add_argument("source", help="synth:<task>, a .jsonl/.parquet file or folder, a save_to_disk folder, a hub id")
+    check.add_argument("--split", default="train")
+    check.add_argument("--model", help="model (tiny:<family>, folder or hub id) to count image tokens with")
+    check.add_argument("--max-prompt-length", type=int)
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.set_defaults(func=_cmd_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from training.data.loader import DatasetError
+    from training.data.synth import SynthError
+    from training.models.families import UnsupportedModelError
+    from training.models.loading import ProcessorError
+
+    try:
+        return args.func(args)
+    except (DatasetError, SynthError, UnsupportedModelError, ProcessorError, FileExistsError, OSError) as exc:
+        print(f"collage: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Model inputs for samples with 0..k images each: one code path for generation and for the loss forward.
+
+Each prompt is encoded on its own (chat template, processor, text-only truncation), then prompts are
+left-padded and their pixel tensors joined by :mod:`training.batching.layouts`. Generation takes the prompt
+part; the loss forward takes the same prompt part with completions appended, so both pad identically and
+token-type ids cannot drift between the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..data.rows import RowError, Sample
+from ..models.families import GRID, Family
+from .layouts import Pixels, join_pixels, select_pixels, slice_pixels
+
+
+class PromptTooLongError(RowError):
+    pass
+
+
+@dataclass
+class EncodedPrompt:
+    row: int
+    input_ids: list[int]
+    pixels: Pixels  # this sample's images in the family layout; {} without images
+    num_images: int
+    num_image_tokens: int  # every vision token of the prompt (image pads and their markers)
+    truncated_tokens: int = 0  # text tokens removed to fit max_prompt_length
+
+
+def vision_token_ids(tokenizer: Any, family: Family) -> set[int]:
+    vocab = tokenizer.get_vocab()
+    return {vocab[t] for t in family.vision_tokens if t in vocab}
+
+
+def truncate_text_only(ids: Sequence[int], protected: set[int], max_length: int, row: int) -> tuple[list[int], int]:
+    """Drop the oldest unprotected tokens until ``ids`` fits ``max_length``; never drop a protected one.
+
+    Returns the kept ids and how many were dropped. Raises :class:`PromptTooLongError` when the protected
+    (vision) tokens alone exceed the limit.
+    """
+    excess = len(ids) - max_length
+    if excess <= 0:
+        return list(ids), 0
+    n_protected = sum(1 for t in ids if t in protected)
+    if n_protected > max_length:
+        raise PromptTooLongError(
+            row,
+            f"its images alone take {n_protected} vision tokens, more than max_prompt_length={max_length}: "
+            "raise max_prompt_length, use fewer or smaller images, or lower the processor's max_pixels",
+        )
+    kept, dropped = [], 0
+    for t in ids:
+        if dropped < excess and t not in protected:
+            dropped += 1
+            continue
+        kept.append(t)
+    return kept, dropped
+
+
+class PromptEncoder:
+    """Turns a :class:`Sample` into an :class:`EncodedPrompt` for one model's processor."""
+
+    def __init__(self, processor: Any, family: Family, max_prompt_length: int | None = None):
+        self.processor = processor
+        self.family = family
+        self.max_prompt_length = max_prompt_length
+        self.protected = vision_token_ids(processor.tokenizer, family)
+        self.image_token_id = processor.tokenizer.convert_tokens_to_ids(family.image_token)
+
+    def render(self, sample: Sample) -> str:
+        return self.processor.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=False)
+
+    def encode(self, sample: Sample) -> EncodedPrompt:
+        text = self.render(sample)
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        if sample.images:
+            kwargs["images"] = [list(sample.images)]
+        try:
+            enc = self.processor(**kwargs)
+        except ValueError as exc:
+            raise RowError(sample.row, f"the processor rejected the row: {exc}") from exc
+        ids = enc["input_ids"][0].tolist()
+        pixels: Pixels = {}
+        if sample.images:
+            for key in self.family.pixel_keys:
+                if key in enc:
+                    value = enc[key]
+                    # batch-padded processors add a batch axis; per sample we keep the images only
+                    pixels[key] = value[0] if value.dim() > 0 and self.family.layout == "batch_padded" else value
+            if not pixels:
+                raise RowError(sample.row, f"the processor returned no pixel inputs for {len(sample.images)} images")
+        n_image_tokens = sum(1 for t in ids if t == self.image_token_id)
+        if sample.images and n_image_tokens == 0:
+            raise RowError(sample.row, "the processor produced no image tokens for the row's images")
+        n_vision = sum(1 for t in ids if t in self.protected)
+        dropped = 0
+        if self.max_prompt_length is not None:
+            ids, dropped = truncate_text_only(ids, self.protected, self.max_prompt_length, sample.row)
+        return EncodedPrompt(sample.row, ids, pixels, len(sample.images), n_vision, dropped)
+
+
+@dataclass
+class ModelBatch:
+    """Left-padded prompts (+ right-padded completions) and the joined pixel inputs of a batch."""
+
+    input_ids: torch.Tensor  # (B, P + C)
+    attention_mask: torch.Tensor  # (B, P + C)
+    prompt_length: int  # P: every prompt is left-padded to this length
+    completion_mask: torch.Tensor  # (B, C) 1 where a completion token counts in the loss
+    pixels: Pixels
+    num_images: list[int]
+    rows: list[int] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_length :]
+
+    def _take(self, index: torch.Tensor | slice, pixels: Pixels, num_images: list[int], rows: list[int]):
+        return replace(
+            self,
+            input_ids=self.input_ids[index],
+            attention_mask=self.attention_mask[index],
+            completion_mask=self.completion_mask[index],
+            pixels=pixels,
+            num_images=num_images,
+            rows=rows,
+        )
+
+    def slice(self, start: int, end: int, layout: str) -> ModelBatch:
+        """The contiguous micro-batch ``[start, end)``, each sample's pixels with it."""
+        pixels = slice_pixels(layout, self.pixels, self.num_images, start, end)
+        return self._take(slice(start, end), pixels, self.num_images[start:end], self.rows[start:end])
+
+    def select(self, order: Sequence[int], layout: str) -> ModelBatch:
+        """Samples in a new order (a shuffle, or a subset)."""
+        pixels = select_pixels(layout, self.pixels, self.num_images, order)
+        index = torch.as_tensor(list(order), dtype=torch.long)
+        return self._take(index, pixels, [self.num_images[i] for i in order], [self.rows[i] for i in order])
+
+
+def collate(
+    prompts: Sequence[EncodedPrompt],
+    family: Family,
+    pad_id: int,
+    completions: Sequence[Sequence[int]] | None = None,
+    protected: set[int] | None = None,
+) -> ModelBatch:
+    """Left-pad prompts, right-pad completions, join pixels.
+
+    Completion tokens that are vision tokens (a model can generate ``<|image_pad|>``) are replaced by padding
+    and masked out of the loss: fed back as they are, they would be taken for image slots.
+    """
+    p_len = max(len(p.input_ids) for p in prompts)
+    completions = completions if completions is not None else [[] for _ in prompts]
+    if len(completions) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    c_len = max((len(c) for c in completions), default=0)
+    protected = protected or set()
+    batch = len(prompts)
+    input_ids = torch.full((batch, p_len + c_len), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, p_len + c_len), dtype=torch.long)
+    completion_mask = torch.zeros((batch, c_len), dtype=torch.long)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        n = len(prompt.input_ids)
+        input_ids[i, p_len - n : p_len] = torch.as_tensor(prompt.input_ids)
+        attention[i, p_len - n : p_len] = 1
+        if completion:
+            comp = torch.as_tensor(list(completion), dtype=torch.long)
+            bad = torch.as_tensor([t in protected for t in completion], dtype=torch.bool)
+            comp[bad] = pad_id
+            input_ids[i, p_len : p_len + len(comp)] = comp
+            attention[i, p_len : p_len + len(comp)] = 1
+            completion_mask[i, : len(comp)] = (~bad).long()
+    pixels = join_pixels(family.layout, [p.pixels for p in prompts])
+    return ModelBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        prompt_length=p_len,
+        completion_mask=completion_mask,
+        pixels=pixels,
+        num_images=[p.num_images for p in prompts],
+        rows=[p.row for p in prompts],
+    )
+
+
+def forward_kwargs(batch: ModelBatch, family: Family, image_token_id: int) -> dict[str, Any]:
+    """Keyword arguments for ``model(**kwargs)`` on this batch.
+
+    Position ids must follow the attention mask, not the raw index, or left padding shifts every position.
+    Qwen-VL computes its 3-D positions from ``mm_token_type_ids`` and the mask itself, when there are images;
+    for every other case we pass ``cumsum(mask) - 1``.
+    """
+    kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, **batch.pixels}
+    if family.layout == GRID:
+        kwargs["mm_token_type_ids"] = (batch.input_ids == image_token_id).long()
+        if batch.pixels:
+            return kwargs
+    positions = batch.attention_mask.long().cumsum(-1) - 1
+    kwargs["position_ids"] = positions.clamp(min=0)
+    return kwargs
+
+
+def completion_logprobs(
+    model: Any, batch: ModelBatch, family: Family, image_token_id: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """Per-token log-probabilities of the completion tokens, ``(B, C)``; padding positions hold garbage and
+    must be masked with ``batch.completion_mask``."""
+    c_len = batch.input_ids.shape[1] - batch.prompt_length
+    kwargs = forward_kwargs(batch, family, image_token_id)
+    logits = model(**kwargs, logits_to_keep=c_len + 1).logits[:, :-1, :]
+    logits = logits.float() / temperature
+    targets = batch.completion_ids
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

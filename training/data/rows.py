@@ -1,0 +1,164 @@
+"""One dataset row: its prompt normalised to a conversation and its images decoded and checked.
+
+Every problem is a :class:`RowError` that names the row and says what is wrong, so ``collage data check`` and
+the trainer report the same thing in the same words.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+ROLES = ("system", "user", "assistant")
+RESERVED_COLUMNS = ("prompt", "images", "image")
+
+
+class RowError(ValueError):
+    """A problem with one dataset row; ``row`` is its 0-based index in the split."""
+
+    def __init__(self, row: int, message: str):
+        super().__init__(f"row {row}: {message}")
+        self.row = row
+        self.message = message
+
+
+@dataclass
+class Sample:
+    """A usable row: a conversation with one ``{"type": "image"}`` part per image, images in that order."""
+
+    row: int
+    prompt: list[dict[str, Any]]
+    images: list[Image.Image]
+    columns: dict[str, Any] = field(default_factory=dict)  # every other column, passed on to reward functions
+
+    @property
+    def num_images(self) -> int:
+        return len(self.images)
+
+
+@dataclass
+class RawRow:
+    """A row as stored, before images are opened. ``base_dir`` resolves relative image paths."""
+
+    row: int
+    data: dict[str, Any]
+    base_dir: Path | None = None
+
+    def image_refs(self) -> list[Any]:
+        if "images" in self.data and self.data["images"] is not None:
+            refs = self.data["images"]
+            if not isinstance(refs, (list, tuple)):
+                raise RowError(self.row, f"'images' must be a list, got {type(refs).__name__}")
+            return list(refs)
+        if self.data.get("image") is not None:  # legacy single-image column
+            return [self.data["image"]]
+        return []
+
+    def to_sample(self) -> Sample:
+        if "prompt" not in self.data:
+            raise RowError(self.row, "no 'prompt' column")
+        refs = self.image_refs()
+        images = [open_image(self.row, i, ref, self.base_dir) for i, ref in enumerate(refs)]
+        prompt = normalise_prompt(self.row, self.data["prompt"], len(images))
+        columns = {k: v for k, v in self.data.items() if k not in RESERVED_COLUMNS}
+        return Sample(row=self.row, prompt=prompt, images=images, columns=columns)
+
+
+def count_placeholders(prompt: list[dict[str, Any]]) -> int:
+    return sum(
+        1
+        for message in prompt
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") in ("image", "image_url")
+    )
+
+
+def normalise_prompt(row: int, prompt: Any, num_images: int) -> list[dict[str, Any]]:
+    """A conversation whose content is always a list of parts.
+
+    A plain string with N images becomes one user turn with N image placeholders before the text. A
+    conversation must already hold exactly one placeholder per image: guessing where images go would silently
+    change what the model sees.
+    """
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": prompt}]}]
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise RowError(
+            row,
+            "prompt is not conversational: expected a string or a non-empty list of {role, content} messages, "
+            f"got {type(prompt).__name__}",
+        )
+    messages = []
+    for m, message in enumerate(prompt):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise RowError(row, f"prompt is not conversational: message {m} is not a {{role, content}} object")
+        if message["role"] not in ROLES:
+            raise RowError(
+                row, f"prompt is not conversational: message {m} has role {message['role']!r}, not one of {ROLES}"
+            )
+        messages.append({"role": message["role"], "content": _normalise_content(row, m, message["content"])})
+    found = count_placeholders(messages)
+    if found != num_images:
+        raise RowError(row, f"prompt has {found} image placeholder(s) but the row has {num_images} image(s)")
+    return messages
+
+
+def _normalise_content(row: int, m: int, content: Any) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, (list, tuple)):
+        raise RowError(row, f"prompt is not conversational: message {m} content must be a string or a list of parts")
+    parts = []
+    for p, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("image", "image_url"):
+            parts.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise RowError(
+                row,
+                f"prompt is not conversational: message {m} part {p} must be {{type: text, text}} or {{type: image}}",
+            )
+    return parts
+
+
+def open_image(row: int, index: int, ref: Any, base_dir: Path | None) -> Image.Image:
+    """Decode image ``index`` of a row from a path, bytes, a ``{path, bytes}`` dict or a PIL image."""
+    what = f"image {index}"
+    if isinstance(ref, Image.Image):
+        image = ref
+    else:
+        if isinstance(ref, dict):
+            data, path = ref.get("bytes"), ref.get("path")
+        elif isinstance(ref, (bytes, bytearray)):
+            data, path = bytes(ref), None
+        elif isinstance(ref, str):
+            data, path = None, ref
+        else:
+            raise RowError(row, f"{what} is a {type(ref).__name__}: expected a path, bytes or {{path, bytes}}")
+        if data is None and not path:
+            raise RowError(row, f"{what} is empty: no path and no bytes")
+        if data is None:
+            file = Path(path)
+            if not file.is_absolute() and base_dir is not None:
+                file = base_dir / file
+            if not file.is_file():
+                raise RowError(row, f"{what} file not found: {file}")
+            data = file.read_bytes()
+            what = f"{what} ({file})"
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+            raise RowError(row, f"{what} is unreadable: {exc}") from None
+    if image.width == 0 or image.height == 0:
+        raise RowError(row, f"{what} has zero size ({image.width}x{image.height})")
+    if image.mode != "RGB":
+        raise RowError(row, f"{what} is mode {image.mode}, not RGB: convert it first (PIL: image.convert('RGB'))")
+    return image

@@ -1,0 +1,248 @@
+"""Synthetic multi-image tasks with verifiable answers, written in the same on-disk format users use.
+
+Tasks (each needs more than one image to answer):
+
+- ``count-red``: how many of the images show a red shape (answer: a number);
+- ``odd-one-out``: all images show the same shape but one; which one (answer: its 1-based position);
+- ``same-shape``: do images *i* and *j* show the same shape (answer: ``yes`` / ``no``).
+
+With ``min_images = 0`` text-only rows (task ``arith``: a small sum) are mixed in, so training code meets mixed
+batches. Output: ``<out>/train.jsonl`` (or ``train.parquet`` with image bytes inline) plus ``<out>/images/``,
+one PNG per distinct image, named by its SHA-256. Same arguments and seed, same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageDraw
+
+from ..home import cache_dir
+
+COLORS = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 60),
+    "blue": (40, 70, 220),
+    "yellow": (235, 200, 30),
+    "purple": (140, 50, 170),
+    "orange": (245, 130, 20),
+}
+SHAPES = ("circle", "square", "triangle", "cross")
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
+
+
+@dataclass(frozen=True)
+class Drawing:
+    shape: str
+    color: str
+
+
+def draw(d: Drawing, size: int, rng: random.Random) -> Image.Image:
+    """One shape on a light background; position and size jitter so images of one kind still differ."""
+    bg = tuple(rng.randint(225, 255) for _ in range(3))
+    image = Image.new("RGB", (size, size), bg)
+    pen = ImageDraw.Draw(image)
+    r = rng.uniform(0.28, 0.4) * size
+    cx = size / 2 + rng.uniform(-0.08, 0.08) * size
+    cy = size / 2 + rng.uniform(-0.08, 0.08) * size
+    fill = COLORS[d.color]
+    if d.shape == "circle":
+        pen.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif d.shape == "square":
+        pen.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif d.shape == "triangle":
+        pen.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    else:
+        w = r / 3
+        pen.rectangle([cx - w, cy - r, cx + w, cy + r], fill=fill)
+        pen.rectangle([cx - r, cy - w, cx + r, cy + w], fill=fill)
+    return image
+
+
+@dataclass
+class SynthRow:
+    question: str
+    drawings: list[Drawing]
+    answer: str
+    task: str
+    extra: dict[str, Any]
+
+
+def _count_red(n: int, rng: random.Random) -> SynthRow:
+    reds = rng.randint(0, n)
+    colors = ["red"] * reds + [rng.choice([c for c in COLORS if c != "red"]) for _ in range(n - reds)]
+    rng.shuffle(colors)
+    drawings = [Drawing(rng.choice(SHAPES), c) for c in colors]
+    question = rng.choice(
+        ["How many of the images are red?", "Count the images that show a red shape.", "How many red images?"]
+    )
+    return SynthRow(question + " Answer with a number.", drawings, str(reds), "count-red", {})
+
+
+def _odd_one_out(n: int, rng: random.Random) -> SynthRow:
+    common, odd = rng.sample(SHAPES, 2)
+    color = rng.choice(list(COLORS))
+    position = rng.randrange(n)
+    drawings = [Drawing(odd if i == position else common, color) for i in range(n)]
+    question = rng.choice(["Which image is the odd one out?", "One image differs from the others. Which one?"])
+    return SynthRow(question + " Answer with its number.", drawings, str(position + 1), "odd-one-out", {})
+
+
+def _same_shape(n: int, rng: random.Random) -> SynthRow:
+    i, j = sorted(rng.sample(range(n), 2))
+    drawings = [Drawing(rng.choice(SHAPES), rng.choice(list(COLORS))) for _ in range(n)]
+    same = rng.random() < 0.5
+    if same:
+        drawings[j] = Drawing(drawings[i].shape, drawings[j].color)
+    else:
+        drawings[j] = Drawing(rng.choice([s for s in SHAPES if s != drawings[i].shape]), drawings[j].color)
+    question = f"Do image {i + 1} and image {j + 1} show the same shape? Answer yes or no."
+    return SynthRow(question, drawings, "yes" if same else "no", "same-shape", {"pair": [i + 1, j + 1]})
+
+
+def _arith(rng: random.Random) -> SynthRow:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return SynthRow(f"What is {a} plus {b}? Answer with a number.", [], str(a + b), "arith", {})
+
+
+@dataclass(frozen=True)
+class Task:
+    make: Callable[[int, random.Random], SynthRow]
+    min_needed: int  # fewest images a row of this task can have (text-only rows aside)
+
+
+TASKS: dict[str, Task] = {
+    "count-red": Task(_count_red, 1),
+    "odd-one-out": Task(_odd_one_out, 3),
+    "same-shape": Task(_same_shape, 2),
+}
+
+
+class SynthError(ValueError):
+    pass
+
+
+def _image_counts(task: Task, min_images: int, max_images: int) -> list[int]:
+    if min_images < 0 or max_images < min_images:
+        raise SynthError(f"need 0 <= min_images <= max_images, got min_images={min_images}, max_images={max_images}")
+    counts = [n for n in range(max(min_images, task.min_needed), max_images + 1)]
+    if min_images == 0:
+        counts = [0, *counts]
+    if not counts or counts == [0] and max_images > 0:
+        raise SynthError(f"this task needs at least {task.min_needed} images per row: raise max_images")
+    return counts
+
+
+def _content(question: str, n: int, rng: random.Random) -> list[dict[str, Any]]:
+    """Place the image placeholders in one of several layouts so models do not learn a single position."""
+    image = {"type": "image"}
+    if n == 0:
+        return [{"type": "text", "text": question}]
+    style = rng.randrange(4)
+    if style == 0:  # images, then the question
+        return [image] * n + [{"type": "text", "text": question}]
+    if style == 1:  # the question, then the images
+        return [{"type": "text", "text": question + "\n"}] + [image] * n
+    if style == 2:  # labelled images
+        parts: list[dict[str, Any]] = []
+        for i in range(n):
+            parts += [{"type": "text", "text": f"Image {i + 1}: "}, image, {"type": "text", "text": "\n"}]
+        return parts + [{"type": "text", "text": question}]
+    parts = [{"type": "text", "text": "Look at these images. "}]
+    for i in range(n):
+        parts += [image, {"type": "text", "text": f" (the {ORDINALS[i % len(ORDINALS)]} one) "}]
+    return parts + [{"type": "text", "text": question}]
+
+
+def generate(task_name: str, rows: int, min_images: int, max_images: int, seed: int, size: int = 56):
+    """Yield ``(row_dict, images)`` pairs; ``row_dict['images']`` is filled in by the writer."""
+    if task_name not in TASKS:
+        raise SynthError(f"unknown synthetic task {task_name!r}: choose one of {', '.join(TASKS)}")
+    task = TASKS[task_name]
+    counts = _image_counts(task, min_images, max_images)
+    rng = random.Random(f"{task_name}:{seed}")
+    for _ in range(rows):
+        n = rng.choice(counts)
+        item = _arith(rng) if n == 0 else task.make(n, rng)
+        images = [draw(d, size, rng) for d in item.drawings]
+        prompt = [{"role": "user", "content": _content(item.question, n, rng)}]
+        row = {"prompt": prompt, "answer": item.answer, "task": item.task, **item.extra}
+        row["shapes"] = [d.shape for d in item.drawings]
+        row["colors"] = [d.color for d in item.drawings]
+        yield row, images
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_synth(
+    task: str,
+    out: str | Path,
+    rows: int = 256,
+    min_images: int = 0,
+    max_images: int = 3,
+    seed: int = 0,
+    fmt: str = "jsonl",
+    size: int = 56,
+    split: str = "train",
+) -> Path:
+    """Write a synthetic split to ``out`` and return the data file."""
+    if fmt not in ("jsonl", "parquet"):
+        raise SynthError(f"unknown format {fmt!r}: use jsonl or parquet")
+    if rows < 1:
+        raise SynthError(f"rows must be at least 1, got {rows}")
+    out = Path(out)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    records = []
+    for row, images in generate(task, rows, min_images, max_images, seed, size):
+        refs: list[Any] = []
+        for image in images:
+            data = _png(image)
+            name = f"images/{hashlib.sha256(data).hexdigest()}.png"
+            (out / name).write_bytes(data)
+            refs.append(name if fmt == "jsonl" else {"bytes": data, "path": name})
+        row["images"] = refs
+        records.append(row)
+    if fmt == "jsonl":
+        file = out / f"{split}.jsonl"
+        with file.open("w", encoding="utf-8") as fh:
+            for row in records:
+                fh.write(json.dumps(row) + "\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        file = out / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(records), file)
+    return file
+
+
+def cached_synth_dataset(task: str, rows: int = 256, min_images: int = 0, max_images: int = 3, seed: int = 0) -> Path:
+    """The folder of a synthetic dataset under ``COLLAGE_HOME``, written once (atomically) on first use."""
+    folder = cache_dir("datasets") / f"synth-{task}-r{rows}-i{min_images}-{max_images}-s{seed}"
+    if (folder / "train.jsonl").is_file():
+        return folder
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        write_synth(task, tmp, rows=rows, min_images=min_images, max_images=max_images, seed=seed)
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process finished the same dataset first
+            if not (folder / "train.jsonl").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

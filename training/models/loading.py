@@ -1,0 +1,89 @@
+"""Load a vision-language model and its processor from ``tiny:<family>``, a local folder or a hub id.
+
+One code path for all three, so what the tests exercise on tiny models is what users run on real ones.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..home import cache_dir
+from .families import Family, UnsupportedModelError, family_for_model_type
+from .tiny import BUILDERS, build_tiny
+
+TINY_PREFIX = "tiny:"
+
+
+class ProcessorError(RuntimeError):
+    pass
+
+
+def resolve_model_path(path: str) -> str:
+    """``tiny:<family>`` becomes the folder of that tiny model, built once under ``COLLAGE_HOME``."""
+    if not path.startswith(TINY_PREFIX):
+        return path
+    family = path.removeprefix(TINY_PREFIX)
+    if family not in BUILDERS:
+        raise UnsupportedModelError(f"no tiny model {path!r}: choose tiny:{', tiny:'.join(BUILDERS)}")
+    folder = cache_dir("models") / f"tiny-{family}"
+    if (folder / "config.json").is_file():
+        return str(folder)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        build_tiny(family, tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another worker built it at the same time
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)
+
+
+def model_family(path: str) -> Family:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_path(path))
+    return family_for_model_type(config.model_type)
+
+
+def check_processor(processor: Any, path: str) -> Any:
+    """Refuse a processor that cannot process images.
+
+    ``AutoProcessor`` quietly falls back to a bare tokenizer when it cannot build the image processor (a Qwen-VL
+    processor without torchvision, for example); training would then run text-only with no error.
+    """
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None:
+        raise ProcessorError(
+            f"{path}: the processor has no image processor (got {type(processor).__name__}); "
+            "Collage will not train a vision-language model text-only. Check that the model folder has its "
+            "preprocessor_config.json and that torchvision is installed (Qwen-VL image processors need it)."
+        )
+    if getattr(processor, "tokenizer", None) is None:
+        raise ProcessorError(f"{path}: the processor has no tokenizer")
+    return processor
+
+
+def load_processor(path: str) -> tuple[Any, Family]:
+    from transformers import AutoProcessor
+
+    local = resolve_model_path(path)
+    family = model_family(local)
+    processor = check_processor(AutoProcessor.from_pretrained(local), path)
+    return processor, family
+
+
+def load_model(path: str, dtype: str = "auto"):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"model.dtype must be one of auto, float32, bfloat16; got {dtype!r}")
+    return AutoModelForImageTextToText.from_pretrained(resolve_model_path(path), dtype=torch_dtype)
