@@ -210,6 +210,19 @@ def forward_kwargs(batch: ModelBatch, family: Family, image_token_id: int) -> di
     return kwargs
 
 
+def generation_kwargs(batch: ModelBatch, family: Family, image_token_id: int) -> dict[str, Any]:
+    """Keyword arguments for ``model.generate`` on the prompt part of ``batch``.
+
+    ``generate`` derives positions from the attention mask itself (left padding included), so no position ids.
+    """
+    prompt = slice(0, batch.prompt_length)
+    ids = batch.input_ids[:, prompt]
+    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": batch.attention_mask[:, prompt], **batch.pixels}
+    if family.layout == GRID:
+        kwargs["mm_token_type_ids"] = (ids == image_token_id).long()
+    return kwargs
+
+
 def completion_logprobs(
     model: Any, batch: ModelBatch, family: Family, image_token_id: int, temperature: float = 1.0
 ) -> torch.Tensor:

@@ -44,7 +44,19 @@ def split_pixels(layout: str, pixels: Pixels, num_images: Sequence[int]) -> list
     """One pixel dict per sample, in order; ``{}`` for samples with no images."""
     if sum(num_images) == 0:
         return [{} for _ in num_images]
+    if layout == BATCH_PADDED:
+        _check_padded(pixels, num_images)
+        # per sample: only its real images, without the batch axis and the padding slots
+        return [{k: v[s, :n] for k, v in pixels.items()} if n else {} for s, n in enumerate(num_images)]
     return [slice_pixels(layout, pixels, num_images, s, s + 1) for s in range(len(num_images))]
+
+
+def _check_padded(pixels: Pixels, num_images: Sequence[int]) -> None:
+    values = pixels["pixel_values"]
+    if values.shape[0] != len(num_images):
+        raise ValueError(f"pixel_values has {values.shape[0]} samples but {len(num_images)} image counts")
+    if max(num_images) > values.shape[1]:
+        raise ValueError(f"a sample has {max(num_images)} images but pixel_values holds {values.shape[1]}")
 
 
 def slice_pixels(layout: str, pixels: Pixels, num_images: Sequence[int], start: int, end: int) -> Pixels:
@@ -71,15 +83,7 @@ def slice_pixels(layout: str, pixels: Pixels, num_images: Sequence[int], start: 
         first, last = cum_imgs[start], cum_imgs[end]
         return {k: v[first:last] for k, v in pixels.items()}
     if layout == BATCH_PADDED:
-        values = pixels["pixel_values"]
-        if values.shape[0] != len(num_images):
-            raise ValueError(f"pixel_values has {values.shape[0]} samples but {len(num_images)} image counts")
-        if max(num_images) > values.shape[1]:
-            raise ValueError(f"a sample has {max(num_images)} images but pixel_values holds {values.shape[1]}")
-        if end - start == 1:
-            n = num_images[start]
-            return {k: v[start, :n] for k, v in pixels.items()}
-        return join_pixels(layout, [slice_pixels(layout, pixels, num_images, s, s + 1) for s in range(start, end)])
+        return join_pixels(layout, split_pixels(layout, pixels, num_images)[start:end])
     raise ValueError(f"unknown pixel layout {layout!r}")
 
 

@@ -75,8 +75,13 @@ def load_processor(path: str) -> tuple[Any, Family]:
 
     local = resolve_model_path(path)
     family = model_family(local)
-    processor = check_processor(AutoProcessor.from_pretrained(local), path)
-    return processor, family
+    try:
+        processor = AutoProcessor.from_pretrained(local)
+    except OSError as exc:
+        raise ProcessorError(
+            f"{path}: could not load the model's processor (tokenizer + image processor): {exc}"
+        ) from exc
+    return check_processor(processor, path), family
 
 
 def load_model(path: str, dtype: str = "auto"):

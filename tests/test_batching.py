@@ -1,0 +1,154 @@
+"""The multi-image batch path on every tiny family: mixed batches, shuffles, micro-batches, truncation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from training.batching.inputs import (
+    PromptEncoder,
+    PromptTooLongError,
+    collate,
+    completion_logprobs,
+    generation_kwargs,
+    truncate_text_only,
+)
+from training.data.loader import load_dataset
+from training.models.families import TINY_FAMILIES
+
+TOL = 1e-5
+
+
+def _setup(tiny, family, count_red_dir, max_prompt_length=None):
+    model, processor, fam = tiny(family)
+    samples = load_dataset(str(count_red_dir)).load_all()
+    encoder = PromptEncoder(processor, fam, max_prompt_length)
+    image_id = encoder.image_token_id
+    return model, processor, fam, samples, encoder, image_id
+
+
+def _random_completions(n, vocab, seed):
+    rng = random.Random(seed)
+    # ids past the special tokens (which every tiny tokenizer puts first)
+    return [[rng.randrange(60, vocab - 1) for _ in range(rng.randint(1, 7))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_logprobs_in_a_shuffled_mixed_batch_equal_each_sample_alone(tiny, family, count_red_dir):
+    model, processor, fam, samples, encoder, image_id = _setup(tiny, family, count_red_dir)
+    counts = [s.num_images for s in samples]
+    assert 0 in counts and max(counts) >= 2, "the fixture must mix text-only and multi-image rows"
+    prompts = [encoder.encode(s) for s in samples]
+    completions = _random_completions(len(prompts), len(processor.tokenizer), seed=1)
+    pad = processor.tokenizer.pad_token_id
+    batch = collate(prompts, fam, pad, completions)
+    order = list(range(len(prompts)))
+    random.Random(5).shuffle(order)
+    shuffled = batch.select(order, fam.layout)
+    with torch.no_grad():
+        in_batch = completion_logprobs(model, shuffled, fam, image_id)
+        # micro-batches cut from the shuffled batch must agree too
+        half = len(order) // 2
+        micro = torch.cat(
+            [
+                _pad_right(
+                    completion_logprobs(model, shuffled.slice(lo, hi, fam.layout), fam, image_id), in_batch.shape[1]
+                )
+                for lo, hi in ((0, half), (half, len(order)))
+            ]
+        )
+        worst = 0.0
+        for j, i in enumerate(order):
+            alone = completion_logprobs(model, collate([prompts[i]], fam, pad, [completions[i]]), fam, image_id)[0]
+            n = len(completions[i])
+            assert shuffled.rows[j] == samples[i].row
+            worst = max(worst, (in_batch[j, :n] - alone[:n]).abs().max().item())
+            worst = max(worst, (micro[j, :n] - alone[:n]).abs().max().item())
+    assert worst <= TOL, f"{family}: max |diff| {worst}"
+
+
+def _pad_right(t, width):
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_generation_on_a_mixed_batch(tiny, family, count_red_dir):
+    model, processor, fam, samples, encoder, image_id = _setup(tiny, family, count_red_dir)
+    prompts = [encoder.encode(s) for s in samples[:6]]
+    batch = collate(prompts, fam, processor.tokenizer.pad_token_id)
+    assert batch.completion_ids.shape[1] == 0
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**generation_kwargs(batch, fam, image_id), max_new_tokens=3, do_sample=True)
+    assert out.shape[0] == len(prompts) and out.shape[1] > batch.prompt_length
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_micro_batch_without_images_gets_no_pixel_inputs(tiny, family, count_red_dir):
+    model, processor, fam, samples, encoder, image_id = _setup(tiny, family, count_red_dir)
+    text_only = [encoder.encode(s) for s in samples if s.num_images == 0]
+    batch = collate(text_only, fam, processor.tokenizer.pad_token_id, [[70, 71]] * len(text_only))
+    assert batch.pixels == {}
+    with torch.no_grad():
+        assert torch.isfinite(completion_logprobs(model, batch, fam, image_id)).all()
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_truncation_keeps_every_image_token_and_the_model_runs(tiny, family, count_red_dir):
+    model, processor, fam, samples, _, image_id = _setup(tiny, family, count_red_dir)
+    sample = max(samples, key=lambda s: s.num_images)
+    sample.prompt[0]["content"].insert(0, {"type": "text", "text": "please look carefully at every image " * 20})
+    full = PromptEncoder(processor, fam).encode(sample)
+    limit = full.num_image_tokens + 5
+    assert len(full.input_ids) > limit
+    cut = PromptEncoder(processor, fam, max_prompt_length=limit).encode(sample)
+    assert len(cut.input_ids) == limit
+    assert cut.truncated_tokens == len(full.input_ids) - limit
+    protected = PromptEncoder(processor, fam).protected
+    assert [t for t in cut.input_ids if t in protected] == [t for t in full.input_ids if t in protected]
+    # what is kept is the newest text: the tail of the prompt is intact
+    assert cut.input_ids[-3:] == full.input_ids[-3:]
+    batch = collate(
+        [cut, PromptEncoder(processor, fam, limit).encode(samples[0])],
+        fam,
+        processor.tokenizer.pad_token_id,
+        [[80, 81], [82]],
+    )
+    with torch.no_grad():
+        assert torch.isfinite(completion_logprobs(model, batch, fam, image_id)).all()
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_images_alone_over_the_limit_name_the_row(tiny, family, count_red_dir):
+    _, processor, fam, samples, _, _ = _setup(tiny, family, count_red_dir)
+    sample = max(samples, key=lambda s: s.num_images)
+    full = PromptEncoder(processor, fam).encode(sample)
+    with pytest.raises(PromptTooLongError, match=rf"row {sample.row}: its images alone take {full.num_image_tokens}"):
+        PromptEncoder(processor, fam, max_prompt_length=full.num_image_tokens - 1).encode(sample)
+
+
+def test_truncate_text_only_is_pure():
+    ids = [1, 2, 9, 9, 3, 9, 4, 5]
+    kept, dropped = truncate_text_only(ids, {9}, 6, row=0)
+    assert kept == [9, 9, 3, 9, 4, 5] and dropped == 2
+    assert truncate_text_only(ids, {9}, 8, row=0) == (ids, 0)
+    with pytest.raises(PromptTooLongError, match="row 3"):
+        truncate_text_only(ids, {9}, 2, row=3)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_generated_image_tokens_are_not_fed_back_as_images(tiny, family, count_red_dir):
+    model, processor, fam, samples, encoder, image_id = _setup(tiny, family, count_red_dir)
+    sample = next(s for s in samples if s.num_images >= 1)
+    prompt = encoder.encode(sample)
+    a, b = processor.tokenizer.encode(" yes no", add_special_tokens=False)[:2]
+    completion = [a, image_id, image_id, b]
+    batch = collate([prompt], fam, processor.tokenizer.pad_token_id, [completion], protected=encoder.protected)
+    assert image_id not in batch.completion_ids[0].tolist()
+    assert batch.completion_mask[0].tolist() == [1, 0, 0, 1]
+    # same count of image tokens as the prompt alone: the model sees the right number of image slots
+    assert int((batch.input_ids == image_id).sum()) == sum(1 for t in prompt.input_ids if t == image_id)
+    with torch.no_grad():
+        assert torch.isfinite(completion_logprobs(model, batch, fam, image_id)).all()

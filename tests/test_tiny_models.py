@@ -1,0 +1,102 @@
+"""Tiny VLMs: built offline, reloaded through the Auto classes, chat templates render images the family's way."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from training.models.families import TINY_FAMILIES, family_for_model_type
+from training.models.loading import ProcessorError, check_processor, load_processor, resolve_model_path
+from training.models.tiny import build_tiny
+
+IMAGE_MARKUP = {
+    "qwen2-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "llava": "<image>",
+    "idefics3": "<image>",
+}
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_build_reload_and_run(family, tmp_path):
+    out = build_tiny(family, tmp_path / family)
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (out / name).is_file(), name
+    processor = AutoProcessor.from_pretrained(out)
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert processor.image_processor is not None
+    assert family_for_model_type(model.config.model_type).name == family
+
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "Which is red?"}, {"type": "image"}],
+        }
+    ]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.count(IMAGE_MARKUP[family]) == 2
+    assert text.index("Which is red?") > text.index(IMAGE_MARKUP[family])  # images stay where the parts put them
+
+    images = [Image.new("RGB", (56, 56), (200, 20, 20)), Image.new("RGB", (56, 56), (20, 20, 200))]
+    enc = processor(text=[text], images=[images], return_tensors="pt")
+    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    per_image = int((enc["input_ids"] == image_id).sum()) // 2
+    assert 1 <= per_image <= 8, f"a 56x56 image should cost a handful of tokens, got {per_image}"
+    with torch.no_grad():
+        logits = model(**enc).logits
+    assert torch.isfinite(logits).all()
+    generated = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > enc["input_ids"].shape[1]
+    # the generation config stops on the chat template's end-of-turn token
+    eos = model.generation_config.eos_token_id
+    assert (
+        eos is not None and processor.tokenizer.convert_ids_to_tokens(eos) in text + "</s><|im_end|><end_of_utterance>"
+    )
+
+
+def test_build_refuses_a_non_empty_folder(tmp_path):
+    (tmp_path / "x").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        build_tiny("llava", tmp_path)
+    assert (tmp_path / "x").read_text() == "keep me"
+
+
+def test_tiny_prefix_builds_once_and_caches(tiny_model_dir):
+    first = resolve_model_path("tiny:llava")
+    stamp = (tiny_model_dir("llava") / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_path("tiny:llava") == first
+    assert (tiny_model_dir("llava") / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_unknown_tiny_family_is_a_clear_error():
+    with pytest.raises(ValueError, match="tiny:qwen2-vl"):
+        resolve_model_path("tiny:gpt2")
+
+
+def test_processor_without_image_processor_is_refused(tiny_model_dir, tmp_path):
+    """AutoProcessor quietly returns a bare tokenizer when it cannot find a processor: Collage must refuse it."""
+    src = tiny_model_dir("qwen2-vl")
+    folder = tmp_path / "tokenizer-only"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, folder / name)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("processor_class", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    bare = AutoProcessor.from_pretrained(folder)
+    assert getattr(bare, "image_processor", None) is None  # the silent trap itself
+    with pytest.raises(ProcessorError, match="no image processor"):
+        check_processor(bare, str(folder))
+
+
+def test_model_folder_missing_its_image_processor_is_refused(tiny_model_dir, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir("qwen2-vl"), folder)
+    (folder / "processor_config.json").unlink()
+    with pytest.raises(ProcessorError, match="broken"):
+        load_processor(str(folder))
