@@ -152,6 +152,8 @@ def open_image(row: int, index: int, ref: Any, base_dir: Path | None) -> Image.I
                 raise RowError(row, f"{what} file not found: {file}")
             data = file.read_bytes()
             what = f"{what} ({file})"
+        if not data:
+            raise RowError(row, f"{what} has zero size (0 bytes)")
         try:
             image = Image.open(io.BytesIO(data))
             image.load()

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: set up, lint, then pytest. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m pytest "$@"
