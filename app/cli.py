@@ -55,6 +55,41 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from training.config import ConfigError, load_config
+    from training.trainer import Trainer, TrainingError
+
+    from .progress import ProgressBar
+
+    try:
+        config = load_config(args.config, args.set)
+    except ConfigError as exc:
+        for path, message in exc.errors:
+            print(f"collage: config error: {path}: {message}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("out") / config.name)
+    if not args.resume and (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size:
+        print(
+            f"collage: error: {out} already holds a run; pass --resume to continue it or choose another --out",
+            file=sys.stderr,
+        )
+        return 2
+    from training.output import OutputFolder
+
+    bar = ProgressBar(enabled=not args.quiet)
+    try:
+        result = Trainer(config, out, [OutputFolder(out), bar], resume=args.resume).train()
+    except TrainingError as exc:
+        bar.close()
+        print(f"collage: training failed: {exc}", file=sys.stderr)
+        return 1
+    bar.close()
+    print(f"run {config.name} {result.status} at step {result.step}; output in {out}")
+    return 0 if result.status == "succeeded" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from training.data.synth import TASKS
     from training.models.families import TINY_FAMILIES
@@ -89,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--max-prompt-length", type=int)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(func=_cmd_check)
+
+    train = commands.add_parser("train", help="run one GRPO/RLOO run in the foreground, no server")
+    train.add_argument("config", help="run config (YAML)")
+    train.add_argument("--out", help="output folder (default out/<run name>)")
+    train.add_argument(
+        "--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config key (repeatable)"
+    )
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(func=_cmd_train)
     return parser
 
 

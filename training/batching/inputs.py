@@ -223,14 +223,35 @@ def generation_kwargs(batch: ModelBatch, family: Family, image_token_id: int) ->
     return kwargs
 
 
+def _completion_logits(model: Any, batch: ModelBatch, family: Family, image_token_id: int) -> torch.Tensor:
+    """Logits that predict each completion token, ``(B, C, V)``."""
+    c_len = batch.input_ids.shape[1] - batch.prompt_length
+    kwargs = forward_kwargs(batch, family, image_token_id)
+    return model(**kwargs, logits_to_keep=c_len + 1).logits[:, :-1, :]
+
+
 def completion_logprobs(
     model: Any, batch: ModelBatch, family: Family, image_token_id: int, temperature: float = 1.0
 ) -> torch.Tensor:
     """Per-token log-probabilities of the completion tokens, ``(B, C)``; padding positions hold garbage and
     must be masked with ``batch.completion_mask``."""
-    c_len = batch.input_ids.shape[1] - batch.prompt_length
-    kwargs = forward_kwargs(batch, family, image_token_id)
-    logits = model(**kwargs, logits_to_keep=c_len + 1).logits[:, :-1, :]
-    logits = logits.float() / temperature
-    targets = batch.completion_ids
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return completion_logprobs_and_entropy(model, batch, family, image_token_id, temperature, entropy=False)[0]
+
+
+def completion_logprobs_and_entropy(
+    model: Any,
+    batch: ModelBatch,
+    family: Family,
+    image_token_id: int,
+    temperature: float = 1.0,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logps, entropies)`` of the completion tokens under ``softmax(logits / temperature)``, each ``(B, C)``."""
+    logits = _completion_logits(model, batch, family, image_token_id).float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logps = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logps, ent

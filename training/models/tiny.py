@@ -312,6 +312,30 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
 assert set(BUILDERS) == set(TINY_FAMILIES)
 
 
+def build_tiny_reward_model(out: str | Path) -> Path:
+    """A tiny random-weight *text* reward model (sequence classification, one label) with a chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(["<pad>", "</s>"], None, "</s>", "<pad>", None)
+    tokenizer.chat_template = (
+        "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
+    )
+    config = LlamaConfig(
+        **_text_config(len(tokenizer)),
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(SEED)
+    LlamaForSequenceClassification(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def build_tiny(family: str, out: str | Path) -> Path:
     """Build the tiny ``family`` model into ``out`` (created; must be empty or absent)."""
     if family not in BUILDERS:

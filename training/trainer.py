@@ -1,0 +1,624 @@
+"""The multi-image GRPO / RLOO trainer.
+
+One optimizer step = ``gradient_accumulation_steps`` micro-batches of ``per_device_train_batch_size``
+completions. Every ``steps_per_generation x num_iterations`` micro-batches a new *generation batch* is
+sampled: ``per_device_train_batch_size x steps_per_generation / num_generations`` prompts per process, each
+repeated ``num_generations`` times (one group), scored by every reward, turned into advantages, shuffled and
+cut into ``steps_per_generation`` micro-batches that are each used ``num_iterations`` times. This is TRL's
+schedule, so TRL settings mean the same here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import algorithms as alg
+from .batching.inputs import EncodedPrompt, ModelBatch, PromptEncoder, collate, completion_logprobs_and_entropy
+from .callbacks import Callback, CallbackList, RolloutImage, RolloutRow
+from .checkpoint import latest_checkpoint, load_model_weights, load_state, rng_state, save_checkpoint, set_rng_state
+from .config import RunConfig
+from .data.loader import DatasetError, LoadedDataset, load_dataset
+from .data.rows import RowError, Sample
+from .generation import generate
+from .modeling import prepare_policy, reference_model, trainable_vision_params
+from .models.loading import load_model, load_processor
+from .rewards import Reward, RewardBatch, RewardError, resolve_reward, score
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot start or cannot go on; the message says why in the user's terms."""
+
+
+@dataclass
+class GenerationBatch:
+    """A scored generation batch, shuffled, ready to be cut into micro-batches."""
+
+    batch: ModelBatch
+    advantages: torch.Tensor  # (N,) local rows
+    old_logps: torch.Tensor | None  # (N, C) when the policy moves between generation and use
+    ref_logps: torch.Tensor | None  # (N, C) when beta > 0 (GRPO)
+    num_items: torch.Tensor  # completion tokens in the global generation batch (dapo normaliser)
+    metrics: dict[str, float]
+    rows: list[RolloutRow]
+
+
+@dataclass
+class TrainResult:
+    status: str  # succeeded | cancelled
+    step: int
+    metrics: list[dict[str, float]] = field(default_factory=list)
+
+
+def _png(image: Any) -> tuple[str, bytes]:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    data = buf.getvalue()
+    return hashlib.sha256(data).hexdigest(), data
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: RunConfig,
+        output_dir: str | Path | None = None,
+        callbacks: list[Callback] | None = None,
+        resume: bool = False,
+    ):
+        self.config = config
+        self.out = Path(output_dir) if output_dir is not None else None
+        self.callbacks = CallbackList(callbacks or [])
+        self.resume = resume
+        if resume and self.out is None:
+            raise TrainingError("resume needs the output folder that holds the checkpoints")
+
+    # ---------------------------------------------------------------- set-up
+    def _setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg, t = self.config, self.config.train
+        cpu = cfg.resources.gpus == 0 or not torch.cuda.is_available()
+        self.accelerator = Accelerator(cpu=cpu)
+        self.is_main = self.accelerator.is_main_process
+        self.world = self.accelerator.num_processes
+        self.rank = self.accelerator.process_index
+        set_seed(t.seed, device_specific=True)  # sampling differs per process; the data order below does not
+
+        self.dataset = self._load_data()
+        self.processor, self.family = load_processor(cfg.model.path)
+        self.tokenizer = self.processor.tokenizer
+        if self.tokenizer.pad_token_id is None:
+            raise TrainingError(f"model.path: the tokenizer of {cfg.model.path} has no pad token")
+        self.encoder = PromptEncoder(self.processor, self.family, t.max_prompt_length)
+        self.image_token_id = self.encoder.image_token_id
+        self._validate_rows()
+        self.rewards = self._load_rewards()
+
+        model = load_model(cfg.model.path, cfg.model.dtype)
+        model.generation_config.top_k = None  # sampling is plain temperature sampling unless configured
+        self.uses_lora = cfg.model.lora is not None
+        self.ref_model = reference_model(model, self.uses_lora) if t.beta > 0 else None
+        model = prepare_policy(model, cfg.model, t.gradient_checkpointing)
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = t.weight_decay
+        self.optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=decay)
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(
+            t.lr_scheduler_type, self.optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps
+        )
+        self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+        if self.ref_model is not None:
+            self.ref_model.to(self.accelerator.device)
+        self.vision_params = trainable_vision_params(self.accelerator.unwrap_model(self.model))
+
+        self.step = 0
+        self.micro = 0
+        self.position = 0  # prompts consumed from the (infinite, seeded) data order, all processes together
+        self.buffer: GenerationBatch | None = None
+        self.num_tokens = 0.0
+        self.resumed_from = 0
+        if self.resume:
+            self._restore()
+
+    def _load_data(self) -> LoadedDataset:
+        d = self.config.dataset
+        synth = {}
+        if d.source.startswith("synth:"):
+            synth = dict(rows=d.rows, min_images=d.min_images, max_images=d.max_images, seed=d.seed)
+        try:
+            dataset = load_dataset(d.source, d.split, **synth)
+        except DatasetError as exc:
+            raise TrainingError(f"dataset.source: {exc}") from None
+        if len(dataset) == 0:
+            raise TrainingError(f"dataset.source: {d.source} split {d.split!r} has no rows")
+        return dataset
+
+    def _validate_rows(self) -> None:
+        """The checks of ``collage data check``, on every row, before any compute is spent."""
+        bad: list[RowError] = []
+        self.images_per_row: list[int] = []
+        for item in self.dataset.samples():
+            if isinstance(item, RowError):
+                bad.append(item)
+                continue
+            try:
+                self.encoder.encode(item)
+            except RowError as err:
+                bad.append(err)
+                continue
+            self.images_per_row.append(item.num_images)
+        if bad:
+            raise TrainingError(
+                str(
+                    DatasetError(
+                        f"dataset {self.dataset.source}: {len(bad)} of {len(self.dataset)} rows fail `collage data check`",
+                        bad,
+                    )
+                )
+            )
+        needed = self.config.train.generation_batch_size // self.config.train.num_generations * 1
+        if len(self.dataset) < needed:
+            raise TrainingError(
+                f"dataset: {len(self.dataset)} rows, fewer than the {needed} prompts one generation needs"
+            )
+
+    def _load_rewards(self) -> list[Reward]:
+        rewards = []
+        has_images = any(self.images_per_row)
+        for k, spec in enumerate(self.config.rewards):
+            try:
+                reward = resolve_reward(spec.name, spec.weight, spec.args, on_images=spec.on_images_for_text_reward)
+            except ValueError as exc:
+                raise TrainingError(f"rewards[{k}].name: {exc}") from None
+            if spec.name == "length":
+                reward.args.setdefault("max_completion_length", self.config.train.max_completion_length)
+            if reward.text_model is not None and has_images:
+                rows = sum(1 for n in self.images_per_row if n)
+                if spec.on_images_for_text_reward == "error":
+                    raise TrainingError(
+                        f"rewards[{k}]: {spec.name} is a text reward model and cannot see images, but {rows} dataset "
+                        "rows have images. Set on_images_for_text_reward: drop to score their text alone."
+                    )
+                self._pending_events = getattr(self, "_pending_events", [])
+                self._pending_events.append(
+                    (
+                        "warning",
+                        f"rewards[{k}]: images dropped for text reward model {spec.name}: it scores the text of "
+                        f"{rows} rows with images without seeing them (on_images_for_text_reward: drop)",
+                    )
+                )
+            rewards.append(reward)
+        return rewards
+
+    # ------------------------------------------------------------- data order
+    def _prompts_for_generation(self) -> list[Sample]:
+        """This process's prompts for the next generation batch; the order is a seeded permutation per epoch,
+        identical on every process, and each process takes its own slice."""
+        t = self.config.train
+        per_process = t.generation_batch_size // t.num_generations
+        total = per_process * self.world
+        n = len(self.dataset)
+        indices = []
+        for pos in range(self.position, self.position + total):
+            epoch, offset = divmod(pos, n)
+            g = torch.Generator().manual_seed(t.seed * 1_000_003 + epoch)
+            if self._perm[0] != epoch:
+                self._perm = (epoch, torch.randperm(n, generator=g).tolist())
+            indices.append(self._perm[1][offset])
+        self.position += total
+        mine = indices[self.rank * per_process : (self.rank + 1) * per_process]
+        return [self.dataset.rows[i].to_sample() for i in mine]
+
+    # ------------------------------------------------------- generate + score
+    def _logps(self, model: Any, batch: ModelBatch, entropy: bool = False):
+        return completion_logprobs_and_entropy(
+            model, batch, self.family, self.image_token_id, self.config.train.temperature, entropy=entropy
+        )
+
+    @torch.no_grad()
+    def _batched_logps(self, model: Any, batch: ModelBatch) -> torch.Tensor:
+        size = self.config.train.per_device_train_batch_size
+        parts = []
+        for lo in range(0, batch.batch_size, size):
+            part = batch.slice(lo, min(lo + size, batch.batch_size), self.family.layout)
+            parts.append(self._logps(model, part)[0])
+        return torch.cat(parts)
+
+    def _generate_and_score(self) -> GenerationBatch:
+        cfg, t = self.config, self.config.train
+        device = self.accelerator.device
+        samples = self._prompts_for_generation()
+        encoded = [self.encoder.encode(s) for s in samples]  # each prompt encoded once, then repeated
+        prompts: list[EncodedPrompt] = [e for e in encoded for _ in range(t.num_generations)]
+        repeated: list[Sample] = [s for s in samples for _ in range(t.num_generations)]
+        policy = self.accelerator.unwrap_model(self.model)
+        completions = generate(
+            policy,
+            prompts,
+            self.family,
+            self.tokenizer,
+            self.image_token_id,
+            self.encoder.protected,
+            t.max_completion_length,
+            t.temperature,
+        )
+        batch = collate(prompts, self.family, self.tokenizer.pad_token_id, completions.ids, self.encoder.protected)
+        truncated = torch.tensor(completions.truncated)
+        if t.mask_truncated_completions:
+            batch.completion_mask[truncated] = 0
+            batch.attention_mask[truncated, batch.prompt_length :] = 0
+        batch = self._batch_to_device(batch)
+
+        generate_every = t.generation_steps * t.num_iterations
+        old_logps = None
+        if t.gradient_accumulation_steps % generate_every != 0 or (cfg.algorithm == "rloo" and t.beta > 0):
+            old_logps = self._batched_logps(self.model, batch)
+        ref_logps = None
+        if t.beta > 0:
+            if self.uses_lora:
+                with policy.disable_adapter():
+                    ref_logps = self._batched_logps(self.model, batch)
+            else:
+                ref_logps = self._batched_logps(self.ref_model, batch)
+
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
+        columns = {k: [s.columns.get(k) for s in repeated] for k in sorted({k for s in repeated for k in s.columns})}
+        reward_batch = RewardBatch(
+            prompts=[s.prompt for s in repeated],
+            completions=texts,
+            completion_ids=completions.ids,
+            images=[s.images for s in repeated],
+            columns=columns,
+            rows=[s.row for s in repeated],
+        )
+        local = torch.tensor(score(self.rewards, reward_batch), dtype=torch.float32, device=device)
+        if local.dim() == 1:
+            local = local.view(len(texts), len(self.rewards))
+        weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32, device=device)
+        mask = batch.completion_mask.float()
+        rewards_per_func = self.accelerator.gather(local)
+        rewards, unscorable = alg.combine_rewards(rewards_per_func, weights)
+        kl_seq = None
+        if cfg.algorithm == "rloo" and t.beta > 0:
+            kl_seq = self.accelerator.gather(alg.sequence_kl_penalty(old_logps, ref_logps, mask))
+            rewards = rewards - t.beta * kl_seq
+        if cfg.algorithm == "grpo":
+            adv = alg.grpo_advantages(rewards, t.num_generations, t.scale_rewards)
+        else:
+            adv = alg.rloo_advantages(rewards, t.num_generations, t.normalize_advantages)
+        n_local = len(texts)
+        mine = slice(self.rank * n_local, (self.rank + 1) * n_local)
+        num_items = self.accelerator.gather(mask.sum().reshape(1)).sum()
+
+        lengths = torch.tensor([len(ids) for ids in completions.ids], device=device)
+        metrics = self._generation_metrics(
+            rewards_per_func, weights, unscorable, adv, batch, lengths, truncated, kl_seq, mask
+        )
+        rows = self._rollout_rows(repeated, texts, completions, local, rewards_per_func[mine], adv, mine)
+
+        # shuffle before cutting micro-batches so each mixes prompts (and image counts)
+        order = torch.randperm(n_local).tolist()
+        shuffled = batch.select(order, self.family.layout)
+        pick = torch.as_tensor(order, device=device)
+        return GenerationBatch(
+            batch=shuffled,
+            advantages=adv.advantages[mine].to(device)[pick],
+            old_logps=None if old_logps is None else old_logps[pick],
+            ref_logps=None if ref_logps is None else ref_logps[pick],
+            num_items=num_items,
+            metrics=metrics,
+            rows=rows,
+        )
+
+    def _batch_to_device(self, batch: ModelBatch) -> ModelBatch:
+        device = self.accelerator.device
+        batch.input_ids = batch.input_ids.to(device)
+        batch.attention_mask = batch.attention_mask.to(device)
+        batch.completion_mask = batch.completion_mask.to(device)
+        dtype = next(self.model.parameters()).dtype
+        batch.pixels = {
+            k: v.to(device, dtype=dtype) if v.is_floating_point() else v.to(device) for k, v in batch.pixels.items()
+        }
+        return batch
+
+    def _generation_metrics(self, rewards_per_func, weights, unscorable, adv, batch, lengths, truncated, kl_seq, mask):
+        metrics: dict[str, float] = {}
+        for k, reward in enumerate(self.rewards):
+            column = rewards_per_func[:, k]
+            metrics[f"rewards/{reward.name}/mean"] = _f(torch.nanmean(column))
+            metrics[f"rewards/{reward.name}/std"] = _f(alg.nanstd(column))
+        logged = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        logged[unscorable] = torch.nan
+        metrics["reward"] = _f(torch.nanmean(logged))
+        metrics["reward_std"] = _f(alg.nanstd(logged))
+        metrics["frac_reward_zero_std"] = _f(adv.zero_std.float().mean())
+        lengths = self.accelerator.gather(lengths)
+        trunc = self.accelerator.gather(truncated.to(lengths.device).long())
+        metrics["completions/mean_length"] = _f(lengths.float().mean())
+        metrics["completions/max_length"] = _f(lengths.float().max())
+        metrics["completions/clipped_ratio"] = _f(trunc.float().mean())
+        tokens = self.accelerator.gather(batch.attention_mask.sum().reshape(1)).sum()
+        self.num_tokens += float(tokens)
+        metrics["num_tokens"] = self.num_tokens
+        images = self.accelerator.gather(torch.tensor([sum(batch.num_images)], device=lengths.device)).sum()
+        metrics["num_images"] = _f(images)
+        if kl_seq is not None:
+            gathered_mask = self.accelerator.gather(mask.sum(-1))
+            metrics["kl"] = _f(kl_seq.sum() / gathered_mask.sum().clamp(min=1.0))
+        return metrics
+
+    def _rollout_rows(self, repeated, texts, completions, local, rewards_per_func, adv, mine) -> list[RolloutRow]:
+        t = self.config.train
+        if not self.config.logging.samples_every or (self.step + 1) % self.config.logging.samples_every:
+            return []
+        names = [r.name for r in self.rewards]
+        weights = [r.weight for r in self.rewards]
+        cache: dict[int, RolloutImage] = {}
+        rows = []
+        per_process_groups = len(texts) // t.num_generations
+        for i, sample in enumerate(repeated):
+            images = []
+            for image in sample.images:
+                key = id(image)
+                if key not in cache:
+                    sha, data = _png(image)
+                    cache[key] = RolloutImage(sha, data, image.width, image.height)
+                images.append(cache[key])
+            values = [None if math.isnan(v) else v for v in rewards_per_func[i].tolist()]
+            scored = [w * v for w, v in zip(weights, values, strict=True) if v is not None]
+            g = self.rank * per_process_groups + i // t.num_generations
+            gi = mine.start + i
+            rows.append(
+                RolloutRow(
+                    step=self.step + 1,
+                    group=g,
+                    index=i % t.num_generations,
+                    prompt=sample.prompt,
+                    completion=texts[i],
+                    images=images,
+                    rewards=dict(zip(names, values, strict=True)),
+                    reward=sum(scored) if scored else None,
+                    advantage=float(adv.advantages[gi]),
+                    completion_length=len(completions.ids[i]),
+                    truncated=completions.truncated[i],
+                    row=sample.row,
+                    group_mean=_none(adv.group_mean[gi]),
+                    group_std=_none(adv.group_std[gi]),
+                )
+            )
+        return rows
+
+    # ------------------------------------------------------------------ loss
+    def _micro_step(self, gen: GenerationBatch, index: int, sync: bool) -> dict[str, float]:
+        cfg, t = self.config, self.config.train
+        size = t.per_device_train_batch_size
+        lo, hi = index * size, (index + 1) * size
+        mb = gen.batch.slice(lo, hi, self.family.layout)
+        advantages = gen.advantages[lo:hi]
+        old = None if gen.old_logps is None else gen.old_logps[lo:hi]
+        ref = None if gen.ref_logps is None else gen.ref_logps[lo:hi]
+        mask = mb.completion_mask
+        context = torch.enable_grad() if sync else self.accelerator.no_sync(self.model)
+        with context:
+            logps, entropy = self._logps(self.model, mb, entropy=True)
+            if cfg.algorithm == "grpo":
+                out = alg.grpo_loss(
+                    logps,
+                    old,
+                    advantages,
+                    mask,
+                    t.loss_type,
+                    t.epsilon_low,
+                    t.epsilon_high_value,
+                    beta=t.beta,
+                    ref_logps=ref,
+                    max_completion_length=t.max_completion_length,
+                    num_items_in_batch=gen.num_items,
+                    gradient_accumulation_steps=t.gradient_accumulation_steps,
+                    steps_per_generation=t.generation_steps,
+                    num_processes=self.world,
+                )
+            else:
+                out = alg.rloo_loss(
+                    logps, old, advantages, mask, t.epsilon_low, t.epsilon_high_value, t.gradient_accumulation_steps
+                )
+            loss = out.loss
+            if self.world > 1 and not mb.pixels and self.vision_params:
+                # DDP all-reduces a fixed set of gradients: a micro-batch without images must still give the
+                # trainable vision parameters a (zero) gradient, or ranks disagree and DDP fails (TRL #4169)
+                loss = loss + 0.0 * sum(p.sum() for p in self.vision_params)
+            self.accelerator.backward(loss)
+        fmask = mask.float()
+        metrics = {
+            "loss": _f(out.policy_loss),
+            "entropy": _f(alg.masked_mean(entropy, fmask)),
+            "clip_ratio/low_mean": _f(alg.masked_mean(out.is_low_clipped.float(), fmask)),
+            "clip_ratio/high_mean": _f(alg.masked_mean(out.is_high_clipped.float(), fmask)),
+            "clip_ratio/region_mean": _f(alg.masked_mean((out.is_low_clipped | out.is_high_clipped).float(), fmask)),
+        }
+        if out.kl is not None:
+            metrics["kl"] = _f(alg.masked_mean(out.kl, fmask))
+        return metrics
+
+    # ------------------------------------------------------------ checkpoint
+    def _state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "micro": self.micro,
+            "position": self.position,
+            "num_tokens": self.num_tokens,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "buffer": self.buffer,
+            "world": self.world,
+        }
+
+    def _save(self) -> Path | None:
+        from accelerate.utils import gather_object
+
+        rngs = gather_object([rng_state()])
+        path = None
+        if self.is_main and self.out is not None:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            path = save_checkpoint(self.out, self.step, unwrapped, self.processor, self._state(), rngs)
+            self.callbacks.on_checkpoint(self.step, str(path))
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def _restore(self) -> None:
+        path = latest_checkpoint(self.out)
+        if path is None:
+            raise TrainingError(f"resume: no checkpoint in {self.out / 'checkpoints'}")
+        state = load_state(path)
+        if state["world"] != self.world:
+            raise TrainingError(f"resume: the checkpoint was written by {state['world']} processes, not {self.world}")
+        load_model_weights(self.accelerator.unwrap_model(self.model), path, self.uses_lora)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.micro, self.position = state["step"], state["micro"], state["position"]
+        self.num_tokens = state["num_tokens"]
+        self.buffer = state["buffer"]
+        if self.buffer is not None:
+            self.buffer.batch = self._batch_to_device(self.buffer.batch)
+        set_rng_state(state["rng"][self.rank])
+        self.resumed_from = self.step
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> TrainResult:
+        self._perm: tuple[int, list[int]] = (-1, [])
+        self._setup()
+        history: list[dict[str, float]] = []
+        cfg, t = self.config, self.config.train
+        callbacks = self.callbacks if self.is_main else CallbackList()
+        callbacks.on_start(cfg, self.resumed_from)
+        if self.resumed_from:
+            callbacks.on_event("info", f"resumed from checkpoint at step {self.resumed_from}")
+        for level, message in getattr(self, "_pending_events", []):
+            callbacks.on_event(level, message)
+        generate_every = t.generation_steps * t.num_iterations
+        started = time.monotonic()
+        done_steps = 0
+        status = "succeeded"
+        try:
+            while self.step < t.max_steps:
+                if self._stop_requested(callbacks):
+                    self._save()
+                    callbacks.on_event("info", f"stopped at step {self.step} on request; checkpoint saved")
+                    status = "cancelled"
+                    break
+                tic = time.monotonic()
+                gen_metrics: list[dict[str, float]] = []
+                loss_metrics: list[dict[str, float]] = []
+                rows: list[RolloutRow] = []
+                lr = self.scheduler.get_last_lr()[0]
+                self.model.train()
+                for a in range(t.gradient_accumulation_steps):
+                    if self.micro % generate_every == 0 or self.buffer is None:
+                        self.buffer = self._generate_and_score()
+                        gen_metrics.append(self.buffer.metrics)
+                        rows.extend(self.buffer.rows)
+                    index = self.micro % t.generation_steps
+                    sync = a == t.gradient_accumulation_steps - 1
+                    loss_metrics.append(self._micro_step(self.buffer, index, sync))
+                    self.micro += 1
+                grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                done_steps += 1
+                metrics = _mean_dicts(loss_metrics)
+                if gen_metrics:
+                    metrics.update(
+                        {k: v for k, v in _mean_dicts(gen_metrics).items() if k != "kl" or "kl" not in metrics}
+                    )
+                metrics["learning_rate"] = lr
+                metrics["grad_norm"] = _f(grad_norm)
+                metrics["step_time"] = time.monotonic() - tic
+                metrics = self._reduce_metrics(metrics)
+                history.append(metrics)
+                callbacks.on_metrics(self.step, metrics)
+                if rows:
+                    from accelerate.utils import gather_object
+
+                    all_rows = gather_object(rows) if self.world > 1 else rows
+                    callbacks.on_samples(self.step, all_rows)
+                elapsed = time.monotonic() - started
+                callbacks.on_progress(self.step, t.max_steps, elapsed / done_steps)
+                if t.save_steps and self.step % t.save_steps == 0 and self.step < t.max_steps:
+                    self._save()
+            else:
+                self._save()
+                self._check_replicas(callbacks)
+        except RewardError as exc:
+            callbacks.on_event("error", str(exc))
+            callbacks.on_end("failed", str(exc))
+            raise TrainingError(str(exc)) from exc
+        except Exception as exc:
+            tb = traceback.format_exc()
+            callbacks.on_event("error", tb)
+            callbacks.on_end("failed", str(exc))
+            raise
+        callbacks.on_end(status)
+        return TrainResult(status, self.step, history)
+
+    def _stop_requested(self, callbacks: CallbackList) -> bool:
+        flag = torch.tensor([1.0 if callbacks.should_stop() else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+
+    def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Loss-side metrics are per process; average them so every process logs the same numbers."""
+        if self.world == 1:
+            return metrics
+        keys = sorted(metrics)
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        values = self.accelerator.reduce(values, reduction="mean")
+        return dict(zip(keys, values.tolist(), strict=True))
+
+    def _check_replicas(self, callbacks: CallbackList) -> None:
+        """With several processes, confirm every replica holds the same parameters at the end."""
+        if self.world == 1:
+            return
+        digest = hashlib.sha256()
+        for _, p in sorted(self.accelerator.unwrap_model(self.model).named_parameters()):
+            digest.update(p.detach().float().cpu().numpy().tobytes())
+        from accelerate.utils import gather_object
+
+        digests = gather_object([digest.hexdigest()])
+        if self.is_main and self.out is not None:
+            import json
+
+            (self.out / "replicas.json").write_text(json.dumps({"parameter_sha256": digests}, indent=1))
+        if len(set(digests)) != 1:
+            message = f"replicas diverged: parameter hashes differ across {self.world} processes"
+            callbacks.on_event("error", message)
+            raise TrainingError(message)
+        callbacks.on_event("info", f"parameters identical across {self.world} processes")
+
+
+def _f(x: Any) -> float:
+    return float(x.item()) if hasattr(x, "item") else float(x)
+
+
+def _none(x: Any) -> float | None:
+    v = _f(x)
+    return None if math.isnan(v) else v
+
+
+def _mean_dicts(items: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for d in items for k in d}
+    out = {}
+    for k in keys:
+        values = [d[k] for d in items if k in d and not math.isnan(d[k])]
+        out[k] = sum(values) / len(values) if values else math.nan
+    return out
