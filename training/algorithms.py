@@ -110,13 +110,15 @@ def grpo_loss(
     gradient_accumulation_steps: int = 1,
     steps_per_generation: int = 1,
     num_processes: int = 1,
+    use_bias_correction_kl: bool = True,
 ) -> LossOutput:
     """Token-level clipped surrogate plus, with ``beta > 0``, the k3 KL to the reference.
 
     Normalisations (TRL's): ``grpo`` averages each sequence over its tokens, then over sequences; ``bnpo``
     averages over all tokens of the micro-batch; ``dr_grpo`` divides by ``B * max_completion_length``;
     ``dapo`` divides by the tokens of the whole generation batch (``num_items_in_batch``), rescaled to one
-    accumulation window. All but ``dapo`` are divided by ``gradient_accumulation_steps``.
+    accumulation window. All but ``dapo`` are divided by ``gradient_accumulation_steps``. The logged ``kl`` is
+    the plain k3 estimate.
     """
     mask = mask.to(logps.dtype)
     old = logps.detach() if old_logps is None else old_logps
@@ -129,7 +131,9 @@ def grpo_loss(
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference log-probabilities")
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
-        per_token = per_token + beta * kl
+        # weighting by the (differentiable) ratio makes the KL gradient the unbiased reverse-KL gradient even
+        # on-policy, where the ratio's value is 1 (TRL's default since DeepSeek-V3.2)
+        per_token = per_token + beta * (kl * ratio if use_bias_correction_kl else kl)
     masked = (per_token * mask).sum
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -185,8 +189,3 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return x.float().mean()
     mask = mask.to(x.dtype) if x.is_floating_point() else mask.float()
     return (x.float() * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)

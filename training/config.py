@@ -73,6 +73,7 @@ class TrainSettings(_Strict):
     max_completion_length: int = Field(32, gt=0)
     temperature: float = Field(1.0, gt=0)
     beta: float = Field(0.0, ge=0)
+    use_bias_correction_kl: bool = True  # GRPO, beta > 0: weight the KL term by the ratio (TRL's default)
     epsilon: float = Field(0.2, gt=0)
     epsilon_high: float | None = Field(None, gt=0)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"

@@ -427,6 +427,7 @@ class Trainer:
                     gradient_accumulation_steps=t.gradient_accumulation_steps,
                     steps_per_generation=t.generation_steps,
                     num_processes=self.world,
+                    use_bias_correction_kl=t.use_bias_correction_kl,
                 )
             else:
                 out = alg.rloo_loss(

@@ -66,7 +66,9 @@ def _train_tokenizer(special_tokens: list[str], bos: str | None, eos: str, pad: 
     if unk:
         named["unk_token"] = unk
     extra = [t for t in special_tokens if t not in named.values()]
-    return PreTrainedTokenizerFast(tokenizer_object=tok, extra_special_tokens=extra, **named)
+    # left padding, as for any decoder used for generation (Collage pads prompts itself, but other tools that
+    # batch through the processor, TRL included, rely on the tokenizer's side)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, extra_special_tokens=extra, padding_side="left", **named)
 
 
 def _template(role_open: str, role_close: str, image: str, generation_prompt: str, role_map: str = "") -> str:
