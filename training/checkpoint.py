@@ -69,23 +69,19 @@ def load_state(path: Path) -> dict[str, Any]:
 
 def load_model_weights(model: Any, path: Path, uses_lora: bool) -> None:
     """Load the checkpoint's weights into ``model`` (already built and wrapped the same way)."""
-    from safetensors.torch import load_file
-
     folder = path / "model"
     if uses_lora:
         from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
 
         set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
         return
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no model weights in the checkpoint")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # tied weights are saved once; anything else missing means a different model
-    missing = [k for k in missing if "lm_head" not in k]
+    from transformers import AutoModelForImageTextToText
+
+    # through from_pretrained, so transformers maps its on-disk key names back to the module names
+    dtype = next(model.parameters()).dtype
+    saved = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype)
+    missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
     if missing or unexpected:
         raise RuntimeError(
             f"{folder}: checkpoint does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})"

@@ -153,7 +153,8 @@ class RunConfig(_Strict):
             )
         wrong = RLOO_ONLY if self.algorithm == "grpo" else GRPO_ONLY
         for key in wrong:
-            if key in t.model_fields_set:
+            # a resolved config (every key written out) must load again, so only a non-default value is an error
+            if key in t.model_fields_set and getattr(t, key) != TrainSettings.model_fields[key].default:
                 raise ValueError(f"train.{key}: does not apply to algorithm {self.algorithm}")
         if self.name is None:
             self.name = default_name(self)

@@ -15,6 +15,14 @@ VISION_PARTS = ("visual", "vision_tower", "vision_model", "multi_modal_projector
 LANGUAGE_PARTS = ("language_model", "text_model")
 
 
+# Parameters a family's forward never uses: LLaVA reads the vision tower's hidden states, not its output after
+# the final layer norm. Left trainable they would get no gradient, and DDP fails on parameters without one.
+UNUSED_BY_DESIGN = {
+    "llava": ("vision_tower.post_layernorm.",),
+    "llava_next": ("vision_tower.post_layernorm.",),
+}
+
+
 def is_vision_param(name: str) -> bool:
     return any(part in VISION_PARTS for part in name.split("."))
 
@@ -39,10 +47,10 @@ def apply_lora(model: Any, settings: ModelSettings) -> Any:
 
 def prepare_policy(model: Any, settings: ModelSettings, gradient_checkpointing: bool) -> Any:
     """Freeze what must not train and wrap with LoRA; returns the (possibly wrapped) model."""
-    if settings.freeze_vision:
-        for name, param in model.named_parameters():
-            if is_vision_param(name):
-                param.requires_grad_(False)
+    unused = UNUSED_BY_DESIGN.get(model.config.model_type, ())
+    for name, param in model.named_parameters():
+        if (settings.freeze_vision and is_vision_param(name)) or any(u in name for u in unused):
+            param.requires_grad_(False)
     if settings.lora is not None:
         model = apply_lora(model, settings)
     if gradient_checkpointing:

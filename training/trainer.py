@@ -79,6 +79,14 @@ class Trainer:
         self.resume = resume
         if resume and self.out is None:
             raise TrainingError("resume needs the output folder that holds the checkpoints")
+        self._perm: tuple[int, list[int]] = (-1, [])  # (epoch, that epoch's permutation of row indices)
+        self.ready = False
+
+    def setup(self) -> None:
+        """Load data, model, rewards and optimizer, and validate everything; ``train`` calls it if needed."""
+        if not self.ready:
+            self._setup()
+            self.ready = True
 
     # ---------------------------------------------------------------- set-up
     def _setup(self) -> None:
@@ -496,8 +504,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainResult:
-        self._perm: tuple[int, list[int]] = (-1, [])
-        self._setup()
+        self.setup()
         history: list[dict[str, float]] = []
         cfg, t = self.config, self.config.train
         callbacks = self.callbacks if self.is_main else CallbackList()

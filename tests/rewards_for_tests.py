@@ -1,0 +1,64 @@
+"""User-style reward functions imported by path (``tests.rewards_for_tests:...``) in the training tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from training.rewards.builtins import completion_text
+
+DIGITS = set("0123456789")
+
+
+def starts_with_digit(completions, **kwargs):
+    """1.0 when the completion's first visible character is a digit: a target a tiny model can learn."""
+    out = []
+    for c in completions:
+        text = completion_text(c).lstrip()
+        out.append(1.0 if text and text[0] in DIGITS else 0.0)
+    return out
+
+
+def explode_on_two_images(completions, images, **kwargs):
+    for sample_images in images:
+        if len(sample_images) == 2:
+            raise RuntimeError("this reward cannot handle two images")
+    return [0.0] * len(completions)
+
+
+def only_images(completions, images, **kwargs):
+    """None (not applicable) for text-only samples."""
+    return [None if not imgs else float(len(imgs)) for imgs in images]
+
+
+def sees_columns(completions, answer, task, images, prompts, completion_ids, **kwargs):
+    assert len(answer) == len(task) == len(images) == len(prompts) == len(completion_ids) == len(completions)
+    return [1.0 if a is not None else 0.0 for a in answer]
+
+
+ACTIVE = {"now": 0, "peak": 0}
+_lock = threading.Lock()
+
+
+async def slow_async_a(completions, **kwargs):
+    return await _slow(len(completions))
+
+
+async def slow_async_b(completions, **kwargs):
+    return await _slow(len(completions))
+
+
+async def _slow(n):
+    with _lock:
+        ACTIVE["now"] += 1
+        ACTIVE["peak"] = max(ACTIVE["peak"], ACTIVE["now"])
+    await asyncio.sleep(0.05)
+    with _lock:
+        ACTIVE["now"] -= 1
+    return [0.5] * n
+
+
+def sleepy(completions, **kwargs):
+    time.sleep(0.01)
+    return [0.0] * len(completions)
