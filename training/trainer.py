@@ -250,6 +250,7 @@ class Trainer:
         prompts: list[EncodedPrompt] = [e for e in encoded for _ in range(t.num_generations)]
         repeated: list[Sample] = [s for s in samples for _ in range(t.num_generations)]
         policy = self.accelerator.unwrap_model(self.model)
+        tic = time.perf_counter()
         completions = generate(
             policy,
             prompts,
@@ -260,6 +261,7 @@ class Trainer:
             t.max_completion_length,
             t.temperature,
         )
+        self.timings["timing/generation"] += time.perf_counter() - tic
         batch = collate(prompts, self.family, self.tokenizer.pad_token_id, completions.ids, self.encoder.protected)
         truncated = torch.tensor(completions.truncated)
         if t.mask_truncated_completions:
@@ -289,7 +291,9 @@ class Trainer:
             columns=columns,
             rows=[s.row for s in repeated],
         )
+        tic = time.perf_counter()
         local = torch.tensor(score(self.rewards, reward_batch), dtype=torch.float32, device=device)
+        self.timings["timing/rewards"] += time.perf_counter() - tic
         if local.dim() == 1:
             local = local.view(len(texts), len(self.rewards))
         weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32, device=device)
@@ -529,6 +533,7 @@ class Trainer:
                 loss_metrics: list[dict[str, float]] = []
                 rows: list[RolloutRow] = []
                 lr = self.scheduler.get_last_lr()[0]
+                self.timings = {"timing/generation": 0.0, "timing/rewards": 0.0, "timing/train": 0.0}
                 self.model.train()
                 for a in range(t.gradient_accumulation_steps):
                     if self.micro % generate_every == 0 or self.buffer is None:
@@ -537,7 +542,9 @@ class Trainer:
                         rows.extend(self.buffer.rows)
                     index = self.micro % t.generation_steps
                     sync = a == t.gradient_accumulation_steps - 1
+                    micro_tic = time.perf_counter()
                     loss_metrics.append(self._micro_step(self.buffer, index, sync))
+                    self.timings["timing/train"] += time.perf_counter() - micro_tic
                     self.micro += 1
                 grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
                 self.optimizer.step()
@@ -553,6 +560,7 @@ class Trainer:
                 metrics["learning_rate"] = lr
                 metrics["grad_norm"] = _f(grad_norm)
                 metrics["step_time"] = time.monotonic() - tic
+                metrics.update(self.timings)  # where the step's time went: sampling, scoring, forward+backward
                 metrics = self._reduce_metrics(metrics)
                 history.append(metrics)
                 callbacks.on_metrics(self.step, metrics)
