@@ -397,3 +397,28 @@ def test_two_process_ddp_on_cpu_keeps_replicas_identical(tmp_path):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 3 * 2 * 4  # both processes' rollouts reach the table
     assert {len(s["images"]) for s in samples} >= {0}  # text-only rows are in the mix
+
+
+@pytest.mark.parametrize(
+    "model,train",
+    [
+        ({"dtype": "bfloat16"}, {}),
+        ({"lora": {"r": 4, "alpha": 8}}, {"gradient_checkpointing": True}),
+        ({"freeze_vision": False}, {"gradient_checkpointing": True}),
+    ],
+    ids=["bfloat16", "lora+gradient-checkpointing", "full+gradient-checkpointing"],
+)
+def test_training_options_train(model, train):
+    config = make_config(
+        model={"path": "tiny:qwen2-vl", "dtype": "float32", **model},
+        train={"max_steps": 2, "learning_rate": 5e-2, **train},
+    )
+    trainer = Trainer(config, None, [])
+    trainer.setup()
+    before = params_of(trainer)
+    trainer.train()
+    after = params_of(trainer)
+    trainable = {n for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters() if p.requires_grad}
+    assert {n for n in before if not torch.equal(before[n], after[n])} == trainable
+    if model.get("dtype") == "bfloat16":
+        assert all(p.dtype == torch.bfloat16 for p in after.values())
