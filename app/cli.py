@@ -43,7 +43,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.max_prompt_length is not None and args.model is None:
         print("collage: error: --max-prompt-length needs --model to count the prompt's tokens", file=sys.stderr)
         return 2
-    report = check_dataset(args.source, split=args.split, model=args.model, max_prompt_length=args.max_prompt_length)
+    synth = {}
+    if args.source.startswith("synth:"):
+        synth = dict(rows=args.rows, min_images=args.min_images, max_images=args.max_images, seed=args.seed)
+    report = check_dataset(
+        args.source, split=args.split, model=args.model, max_prompt_length=args.max_prompt_length, **synth
+    )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -53,6 +58,64 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if report.rows == 0:
         print(f"{args.source}: the split {args.split!r} has no rows", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+def _cmd_preview(args: argparse.Namespace) -> int:
+    import io
+    from pathlib import Path
+
+    from training.data.loader import load_dataset
+    from training.data.rows import RowError
+
+    from .store.images import write_image
+
+    dataset = load_dataset(args.source, args.split)
+    rows = []
+    for raw in dataset.rows[: args.rows]:
+        entry = {"row": raw.row, "prompt": raw.data.get("prompt"), "images": [], "error": None}
+        entry["columns"] = {k: v for k, v in raw.data.items() if k not in ("prompt", "images", "image")}
+        try:
+            sample = raw.to_sample()
+        except RowError as err:
+            entry["error"] = err.message
+            rows.append(entry)
+            continue
+        entry["prompt"] = sample.prompt
+        for image in sample.images:
+            buf = io.BytesIO()
+            image.save(buf, format="PNG")
+            png = buf.getvalue()
+            sha, rel = write_image(Path(args.artifacts), png)
+            entry["images"].append(
+                {"sha256": sha, "width": image.width, "height": image.height, "size_bytes": len(png), "path": rel}
+            )
+        rows.append(entry)
+    print(json.dumps({"source": args.source, "rows": rows}, default=str))
+    return 0
+
+
+def _cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from .db import current_revision, engine_for, upgrade
+    from .settings import get_settings
+
+    url = get_settings().database_url
+    upgrade(url)
+    engine = engine_for(url)
+    print(f"database {engine.url.render_as_string(hide_password=True)} is at migration {current_revision(engine)}")
+    return 0
+
+
+def _cmd_token_create(args: argparse.Namespace) -> int:
+    from .db import check_migrated, engine_for
+    from .settings import get_settings
+    from .store.tokens import create_token
+
+    engine = engine_for(get_settings().database_url)
+    check_migrated(engine)
+    token = create_token(engine, args.name)
+    print(token)
+    print(f"API token {args.name!r} created; it is shown only this once.", file=sys.stderr)
+    return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -123,7 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--model", help="model (tiny:<family>, folder or hub id) to count image tokens with")
     check.add_argument("--max-prompt-length", type=int)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    for flag, default in (("--rows", 256), ("--min-images", 0), ("--max-images", 3), ("--seed", 0)):
+        check.add_argument(flag, type=int, default=default, help="synth:<task> sources only")
     check.set_defaults(func=_cmd_check)
+
+    preview = data.add_parser("preview", help="the first rows as JSON, images written to an artifacts folder")
+    preview.add_argument("source")
+    preview.add_argument("--split", default="train")
+    preview.add_argument("--rows", type=int, default=5)
+    preview.add_argument("--artifacts", required=True, help="folder that receives images/<sha256>.png")
+    preview.set_defaults(func=_cmd_preview)
+
+    db = commands.add_parser("db", help="the run store").add_subparsers(dest="sub", required=True)
+    db_upgrade = db.add_parser("upgrade", help="apply migrations to COLLAGE_DATABASE_URL")
+    db_upgrade.set_defaults(func=_cmd_db_upgrade)
+
+    token = commands.add_parser("token", help="API tokens").add_subparsers(dest="sub", required=True)
+    token_create = token.add_parser("create", help="print a new API token (shown once)")
+    token_create.add_argument("name")
+    token_create.set_defaults(func=_cmd_token_create)
 
     train = commands.add_parser("train", help="run one GRPO/RLOO run in the foreground, no server")
     train.add_argument("config", help="run config (YAML)")
@@ -144,9 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from training.models.families import UnsupportedModelError
     from training.models.loading import ProcessorError
 
+    from .db import DatabaseNotMigrated
+
     try:
         return args.func(args)
-    except (DatasetError, SynthError, UnsupportedModelError, ProcessorError, FileExistsError, OSError) as exc:
+    except (
+        DatasetError, SynthError, UnsupportedModelError, ProcessorError, FileExistsError, OSError, DatabaseNotMigrated
+    ) as exc:  # fmt: skip
         print(f"collage: error: {exc}", file=sys.stderr)
         return 2
 

@@ -55,3 +55,139 @@ def count_red_dir(tmp_path_factory):
 
 
 __all__ = ["FAMILIES", "TINY_FAMILIES"]
+
+
+# ------------------------------------------------------------------------------------------ the run store
+
+PG_ADMIN_URL = os.environ.get("COLLAGE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def _postgres_available() -> str | None:
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN_URL.replace("+psycopg", ""), connect_timeout=3):
+            return None
+    except Exception as exc:  # noqa: BLE001
+        return f"PostgreSQL at {PG_ADMIN_URL} is not reachable ({type(exc).__name__}: {exc})"
+
+
+def require_service(reason: str | None) -> None:
+    """Skip on a user's machine that lacks a service; under CI=true a missing service is a failure."""
+    if reason is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run this test: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """A fresh PostgreSQL database for this test session, dropped at the end."""
+    require_service(_postgres_available())
+    import uuid
+
+    import psycopg
+
+    name = f"collage_test_{uuid.uuid4().hex[:10]}"
+    admin = PG_ADMIN_URL.replace("+psycopg", "")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    yield f"{base}/{name}"
+    from app.db import engine_for
+
+    engine_for.cache_clear()
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def migrated_sqlite_url(tmp_path_factory):
+    from app.db import upgrade
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'collage.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def migrated_postgres_url(postgres_url):
+    from app.db import upgrade
+
+    upgrade(postgres_url)
+    return postgres_url
+
+
+def _truncate(url: str) -> None:
+    from sqlalchemy import text
+
+    from app.db import engine_for
+
+    engine = engine_for(url)
+    tables = [
+        "sample_images",
+        "samples",
+        "images",
+        "metrics",
+        "events",
+        "checkpoints",
+        "run_tags",
+        "runs",
+        "api_tokens",
+    ]
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("TRUNCATE " + ", ".join(tables) + " RESTART IDENTITY CASCADE"))
+        else:
+            for table in tables:
+                conn.execute(text(f"DELETE FROM {table}"))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request):
+    """Each store test runs on SQLite and on PostgreSQL, on an empty (migrated) database."""
+    fixture = "migrated_sqlite_url" if request.param == "sqlite" else "migrated_postgres_url"
+    url = request.getfixturevalue(fixture)
+    _truncate(url)
+    return url
+
+
+class RecordingDispatcher:
+    """A test double of the dispatcher, for API unit tests only: records what the API hands over."""
+
+    def __init__(self):
+        self.submitted: list[tuple[str, str]] = []
+        self.cancelled: list[str] = []
+        self.fail_with: Exception | None = None
+
+    def submit(self, run_id, queue):
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.submitted.append((run_id, queue))
+
+    def cancel(self, run_id):
+        self.cancelled.append(run_id)
+
+    def health(self):
+        return {"broker": {"ok": True, "url": "test-double"}, "workers": []}
+
+
+@pytest.fixture
+def api(database_url, tmp_path):
+    """``(client, token, dispatcher, app)`` on a real app and database; the dispatcher is a test double."""
+    from fastapi.testclient import TestClient
+
+    from app.db import engine_for
+    from app.main import create_app
+    from app.settings import Settings
+    from app.store.tokens import create_token
+
+    settings = Settings(
+        home=tmp_path, database_url=database_url, broker_url="memory://", artifacts=tmp_path / "artifacts"
+    )
+    dispatcher = RecordingDispatcher()
+    app = create_app(settings, dispatcher)
+    token = create_token(engine_for(database_url), "tests")
+    client = TestClient(app, headers={"Authorization": f"Bearer {token}"})
+    return client, token, dispatcher, app

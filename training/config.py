@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class LoraSettings(_Strict):
@@ -34,15 +34,15 @@ class LoraSettings(_Strict):
 
 
 class ModelSettings(_Strict):
-    path: str = "tiny:qwen2-vl"
+    path: str = Field("tiny:qwen2-vl", min_length=1, max_length=500)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     freeze_vision: bool = True
     lora: LoraSettings | None = None
 
 
 class DatasetSettings(_Strict):
-    source: str = "synth:count-red"
-    split: str = "train"
+    source: str = Field("synth:count-red", min_length=1, max_length=500)
+    split: str = Field("train", min_length=1, max_length=100)
     rows: int = Field(256, gt=0)
     min_images: int = Field(0, ge=0)
     max_images: int = Field(3, ge=0)
@@ -56,7 +56,7 @@ class DatasetSettings(_Strict):
 
 
 class RewardSettings(_Strict):
-    name: str
+    name: str = Field(min_length=1, max_length=500)
     weight: float = 1.0
     args: dict[str, Any] = Field(default_factory=dict)  # extra keyword arguments for the function
     # only for text reward models (a sequence-classification checkpoint): what to do with rows that have images
@@ -64,7 +64,7 @@ class RewardSettings(_Strict):
 
 
 class TrainSettings(_Strict):
-    max_steps: int = Field(50, gt=0)
+    max_steps: int = Field(50, gt=0, le=2**31 - 1)
     learning_rate: float = Field(1.0e-5, gt=0)
     per_device_train_batch_size: int = Field(4, gt=0)
     gradient_accumulation_steps: int = Field(1, gt=0)
@@ -125,7 +125,7 @@ class LoggingSettings(_Strict):
 
 class ResourceSettings(_Strict):
     gpus: int = Field(1, ge=0)
-    queue: str = "default"
+    queue: str = Field("default", min_length=1, max_length=100, pattern=r"^[\w.-]+$")
 
 
 GRPO_ONLY = ("loss_type", "scale_rewards")
@@ -133,9 +133,9 @@ RLOO_ONLY = ("normalize_advantages",)
 
 
 class RunConfig(_Strict):
-    name: str | None = None
+    name: str | None = Field(None, min_length=1, max_length=200)
     algorithm: Literal["grpo", "rloo"] = "grpo"
-    tags: list[str] = Field(default_factory=list)
+    tags: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(default_factory=list, max_length=50)
     model: ModelSettings = Field(default_factory=ModelSettings)
     dataset: DatasetSettings = Field(default_factory=DatasetSettings)
     rewards: list[RewardSettings] = Field(default_factory=lambda: [RewardSettings(name="accuracy")], min_length=1)
@@ -162,8 +162,8 @@ class RunConfig(_Strict):
 
 
 def default_name(config: RunConfig) -> str:
-    model = re.sub(r"[^A-Za-z0-9.]+", "-", config.model.path.split("/")[-1]).strip("-")
-    data = re.sub(r"[^A-Za-z0-9.]+", "-", config.dataset.source.split("/")[-1]).strip("-")
+    model = re.sub(r"[^A-Za-z0-9.]+", "-", config.model.path.split("/")[-1]).strip("-")[:80]
+    data = re.sub(r"[^A-Za-z0-9.]+", "-", config.dataset.source.split("/")[-1]).strip("-")[:80]
     return f"{data}-{config.algorithm}-{model}".lower()
 
 

@@ -1,0 +1,106 @@
+"""Database engine, sessions and migrations.
+
+SQLite (the default) runs in WAL mode with foreign keys on and a busy timeout, so the web app and a worker can
+write at the same time; PostgreSQL is used as is through ``COLLAGE_DATABASE_URL``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, create_engine
+
+MIGRATIONS = Path(__file__).resolve().parents[1] / "migrations"
+
+
+class DatabaseNotMigrated(RuntimeError):
+    pass
+
+
+def normalise_url(url: str) -> str:
+    # plain postgresql:// URLs mean psycopg 3 (the driver Collage installs), not psycopg2
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def make_engine(url: str) -> Engine:
+    url = normalise_url(url)
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection, _record):
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+@lru_cache(maxsize=8)
+def engine_for(url: str) -> Engine:
+    return make_engine(url)
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """One transaction: committed on success, rolled back on any error."""
+    with Session(engine, expire_on_commit=False) as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", normalise_url(url).replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def check_migrated(engine: Engine) -> None:
+    """Refuse to serve a database whose schema is not at the newest migration."""
+    have, want = current_revision(engine), head_revision()
+    if have != want:
+        state = "has no Collage schema" if have is None else f"is at migration {have}, not {want}"
+        raise DatabaseNotMigrated(
+            f"the database {engine.url.render_as_string(hide_password=True)} {state}: run `collage db upgrade` "
+            "(with the same COLLAGE_DATABASE_URL) first"
+        )

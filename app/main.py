@@ -1,0 +1,88 @@
+"""The FastAPI application: routers per resource under ``/api/v1``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .db import check_migrated, engine_for
+from .dispatch import Dispatcher
+from .limits import BodySizeLimit
+from .settings import Settings, get_settings
+from .store.writer import StoreWriter
+
+API = "/api/v1"
+
+
+def loc_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    """``("body", "train", "loss_type")`` -> ``train.loss_type``; list indices as ``rewards[0]``."""
+    parts: list[str] = []
+    items = list(loc)
+    if items and items[0] in ("body", "query", "path", "header"):
+        where, items = items[0], items[1:]
+        if where != "body" and items:
+            return f"{where}.{items[0]}"
+    for item in items:
+        if isinstance(item, int) and parts:
+            parts[-1] = f"{parts[-1]}[{item}]"
+        elif isinstance(item, str) and not item.startswith(("function-", "literal[")):
+            parts.append(item)
+    return ".".join(parts) or "body"
+
+
+def _message(err: dict[str, Any]) -> str:
+    if err.get("type") == "extra_forbidden":
+        return "unknown key"
+    if err.get("type") == "json_invalid":
+        return f"malformed JSON: {err.get('ctx', {}).get('error', 'cannot be parsed')}"
+    message = str(err.get("msg", "invalid"))
+    if err.get("type") == "literal_error":
+        return "must be one of " + message.removeprefix("Input should be ")
+    return message.removeprefix("Value error, ")
+
+
+def validation_response(errors: list[tuple[str, str]]) -> JSONResponse:
+    return JSONResponse(status_code=422, content={"detail": [{"path": p, "message": m} for p, m in errors]})
+
+
+def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
+    """Build the app. Refuses a database that is not migrated to the newest schema."""
+    settings = settings or get_settings()
+    engine = engine_for(settings.database_url)
+    check_migrated(engine)
+    if dispatcher is None:
+        raise RuntimeError("create_app needs a dispatcher (the Celery one from worker/ in production)")
+
+    app = FastAPI(
+        title="Collage",
+        version="0.1.0",
+        description="Launch, run and inspect GRPO/RLOO fine-tuning of multi-image VLMs.",
+        openapi_url=f"{API}/openapi.json",
+        docs_url=f"{API}/docs",
+        redoc_url=None,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.writer = StoreWriter(engine, settings.artifacts)
+    app.state.dispatcher = dispatcher
+    Path(settings.artifacts).mkdir(parents=True, exist_ok=True)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_response([(loc_path(e["loc"]), _message(e)) for e in exc.errors()])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=exc.headers)
+
+    from .routers import catalog, datasets, health, images, runs, samples
+
+    for router in (health.router, runs.router, samples.router, images.router, datasets.router, catalog.router):
+        app.include_router(router, prefix=API)
+    return app

@@ -1,0 +1,164 @@
+"""The run store's tables (SQLModel). Alembic migrations in ``migrations/`` create them; keep both in step."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Column, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+RUN_STATUSES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Run(SQLModel, table=True):
+    __tablename__ = "runs"
+    __table_args__ = (
+        Index("ix_runs_created", "created_at", "id"),
+        Index("ix_runs_status_created", "status", "created_at", "id"),
+    )
+
+    id: str = Field(primary_key=True, max_length=32)
+    name: str = Field(max_length=200)
+    algorithm: str = Field(max_length=16)
+    config: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    status: str = Field(default="queued", max_length=16)
+    step: int = 0
+    max_steps: int = 0
+    model_path: str = Field(default="", max_length=500)
+    dataset_source: str = Field(default="", max_length=500)
+    created_at: datetime = Field(default_factory=utcnow)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    updated_at: datetime = Field(default_factory=utcnow)
+    heartbeat_at: datetime | None = None
+    error: str | None = Field(default=None, sa_column=Column(Text))
+    attempt: int = 1
+    worker: str | None = Field(default=None, max_length=200)
+    warning_count: int = 0
+    parent_id: str | None = Field(
+        default=None, sa_column=Column(String(32), ForeignKey("runs.id", ondelete="SET NULL"), nullable=True)
+    )
+
+
+class RunTag(SQLModel, table=True):
+    __tablename__ = "run_tags"
+    __table_args__ = (Index("ix_run_tags_tag", "tag", "run_id"),)
+
+    run_id: str = Field(sa_column=Column(String(32), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True))
+    tag: str = Field(primary_key=True, max_length=100)
+
+
+class Event(SQLModel, table=True):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run", "run_id", "id"),)
+
+    id: int | None = Field(
+        default=None,
+        sa_column=Column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    )
+    run_id: str = Field(sa_column=Column(String(32), ForeignKey("runs.id", ondelete="CASCADE"), nullable=False))
+    time: datetime = Field(default_factory=utcnow)
+    level: str = Field(max_length=16)
+    message: str = Field(sa_column=Column(Text, nullable=False))
+
+
+class Metric(SQLModel, table=True):
+    """One value per (run, key, step): re-writing a step replaces it (idempotent)."""
+
+    __tablename__ = "metrics"
+
+    run_id: str = Field(sa_column=Column(String(32), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True))
+    key: str = Field(primary_key=True, max_length=100)
+    step: int = Field(primary_key=True)
+    value: float | None = None
+
+
+class Sample(SQLModel, table=True):
+    """A rollout row. ``reward_sort`` is ``reward`` with unscorable rows (NULL) as the lowest value, so sorting
+    and keyset pagination work on one indexed, non-null column."""
+
+    __tablename__ = "samples"
+    __table_args__ = (
+        UniqueConstraint("run_id", "step", "group", "index", name="uq_samples_position"),
+        Index("ix_samples_step", "run_id", "step", "id"),
+        Index("ix_samples_reward", "run_id", "reward_sort", "id"),
+        Index("ix_samples_advantage", "run_id", "advantage", "id"),
+        Index("ix_samples_length", "run_id", "completion_length", "id"),
+    )
+
+    id: int | None = Field(
+        default=None,
+        sa_column=Column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    )
+    run_id: str = Field(sa_column=Column(String(32), ForeignKey("runs.id", ondelete="CASCADE"), nullable=False))
+    step: int
+    group: int
+    index: int
+    prompt: Any = Field(sa_column=Column(JSON, nullable=False))
+    prompt_text: str = Field(default="", sa_column=Column(Text, nullable=False))
+    completion: str = Field(sa_column=Column(Text, nullable=False))
+    rewards: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    reward: float | None = None
+    reward_sort: float = -1e300
+    advantage: float = 0.0
+    completion_length: int = 0
+    truncated: bool = False
+    num_images: int = 0
+    group_mean: float | None = None
+    group_std: float | None = None
+    zero_std: bool = False
+    dataset_row: int | None = None
+
+
+class Image(SQLModel, table=True):
+    __tablename__ = "images"
+
+    sha256: str = Field(primary_key=True, max_length=64)
+    width: int
+    height: int
+    format: str = Field(default="png", max_length=16)
+    size_bytes: int
+    path: str = Field(max_length=300)  # relative to COLLAGE_ARTIFACTS
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class SampleImage(SQLModel, table=True):
+    __tablename__ = "sample_images"
+    __table_args__ = (Index("ix_sample_images_sha", "sha256"),)
+
+    sample_id: int = Field(
+        sa_column=Column(
+            BigInteger().with_variant(Integer, "sqlite"), ForeignKey("samples.id", ondelete="CASCADE"), primary_key=True
+        )
+    )
+    position: int = Field(primary_key=True)
+    sha256: str = Field(sa_column=Column(String(64), ForeignKey("images.sha256"), nullable=False))
+
+
+class Checkpoint(SQLModel, table=True):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("run_id", "step", name="uq_checkpoints_step"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(sa_column=Column(String(32), ForeignKey("runs.id", ondelete="CASCADE"), nullable=False))
+    step: int
+    path: str = Field(sa_column=Column(Text, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class ApiToken(SQLModel, table=True):
+    __tablename__ = "api_tokens"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=100)
+    token_hash: str = Field(max_length=64, unique=True, index=True)  # sha256 of the token: never the token
+    prefix: str = Field(max_length=12)  # first characters, to tell tokens apart in listings
+    created_at: datetime = Field(default_factory=utcnow)
+    last_used_at: datetime | None = None
+    revoked: bool = False

@@ -1,0 +1,88 @@
+"""Helpers the routers share: sessions, run lookup, serialisation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fastapi import HTTPException, Request
+from sqlmodel import Session
+
+from ..models import Run, Sample
+from ..schemas import ImageRef, Progress, RunOut, SampleOut
+
+API = "/api/v1"
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with Session(request.app.state.engine, expire_on_commit=False) as session:
+        yield session
+
+
+def get_run_or_404(session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id) if len(run_id) <= 32 else None
+    if run is None:
+        raise HTTPException(404, f"no run with id {run_id!r}")
+    return run
+
+
+def run_url(run_id: str) -> str:
+    return f"{API}/runs/{run_id}"
+
+
+def image_ref(sha: str, width: int, height: int) -> ImageRef:
+    return ImageRef(
+        sha256=sha,
+        url=f"{API}/images/{sha}?size=full",
+        thumb_url=f"{API}/images/{sha}?size=thumb",
+        width=width,
+        height=height,
+    )
+
+
+def run_out(run: Run, tags: list[str], latest_reward: float | None = None, with_config: bool = False) -> RunOut:
+    return RunOut(
+        id=run.id,
+        name=run.name,
+        algorithm=run.algorithm,
+        status=run.status,
+        tags=tags,
+        model=run.model_path,
+        dataset=run.dataset_source,
+        progress=Progress(step=run.step, max_steps=run.max_steps),
+        created_at=run.created_at,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        updated_at=run.updated_at,
+        heartbeat_at=run.heartbeat_at,
+        error=run.error,
+        warning_count=run.warning_count,
+        attempt=run.attempt,
+        worker=run.worker,
+        parent_id=run.parent_id,
+        latest_reward=latest_reward,
+        url=run_url(run.id),
+        config=run.config if with_config else None,
+    )
+
+
+def sample_out(sample: Sample, shas: list[str], sizes: dict[str, tuple[int, int]]) -> SampleOut:
+    return SampleOut(
+        id=sample.id,
+        run_id=sample.run_id,
+        step=sample.step,
+        group=sample.group,
+        index=sample.index,
+        prompt=sample.prompt,
+        completion=sample.completion,
+        images=[image_ref(sha, *sizes.get(sha, (0, 0))) for sha in shas],
+        rewards=sample.rewards,
+        reward=sample.reward,
+        advantage=sample.advantage,
+        completion_length=sample.completion_length,
+        truncated=sample.truncated,
+        num_images=sample.num_images,
+        group_mean=sample.group_mean,
+        group_std=sample.group_std,
+        zero_std=sample.zero_std,
+        dataset_row=sample.dataset_row,
+    )

@@ -1,0 +1,282 @@
+"""Runs: create, list, read, cancel, resume, clone, delete, metrics, events, live stream."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from sqlalchemy import select, update
+from sqlmodel import Session
+
+from training.config import ConfigError, RunConfig, parse_config
+
+from ..auth import UNAUTHORIZED, require_token
+from ..db import session_scope
+from ..models import ENDED, Event, Metric, Run
+from ..schemas import CloneRequest, ErrorOut, EventOut, EventPage, RunCreated, RunOut, RunPage, ValidationErrorOut
+from ..store import queries
+from ..validation import semantic_errors
+from .common import get_run_or_404, get_session, run_out, run_url
+
+INT_MAX = 2**31 - 1  # steps and counts are 32-bit integers in the store
+
+router = APIRouter(tags=["runs"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
+
+NOT_FOUND = {404: {"model": ErrorOut, "description": "no such run"}}
+CONFLICT = {409: {"model": ErrorOut, "description": "not allowed in the run's current status"}}
+INVALID = {422: {"model": ValidationErrorOut, "description": "every bad field, by key path"}}
+
+
+def _validation_error(errors: list[tuple[str, str]]) -> HTTPException:
+    return HTTPException(422, [{"path": p, "message": m} for p, m in errors])
+
+
+def _dispatch(request: Request, run: Run) -> None:
+    """Hand a stored run to the dispatcher; if that fails the run is marked failed, never left dangling."""
+    try:
+        request.app.state.dispatcher.submit(run.id, run.config.get("resources", {}).get("queue", "default"))
+    except Exception as exc:  # noqa: BLE001 - any broker failure
+        request.app.state.writer.set_status(run.id, "failed", error=f"could not queue the run: {exc}")
+        raise HTTPException(503, f"run {run.id} was stored but could not be queued: {exc}") from exc
+
+
+def _create(request: Request, config: RunConfig, parent_id: str | None = None) -> Run:
+    errors = semantic_errors(config)
+    if errors:
+        raise _validation_error(errors)
+    run = request.app.state.writer.create_run(config.model_dump(mode="json"), parent_id=parent_id)
+    _dispatch(request, run)
+    return run
+
+
+@router.post("/runs", status_code=201, response_model=RunCreated, responses=INVALID)
+def create_run(request: Request, response: Response, config: Annotated[RunConfig, Body()]) -> RunCreated:
+    """Validate the whole config, store the run as `queued` and hand it to the workers."""
+    run = _create(request, config)
+    response.headers["Location"] = run_url(run.id)
+    return RunCreated(id=run.id, status="queued", url=run_url(run.id))
+
+
+@router.get("/runs", response_model=RunPage)
+def list_runs(
+    session: Annotated[Session, Depends(get_session)],
+    status: Annotated[str | None, Query(max_length=16)] = None,
+    tag: Annotated[str | None, Query(max_length=100)] = None,
+    algorithm: Annotated[str | None, Query(max_length=16)] = None,
+    q: Annotated[str | None, Query(max_length=200, description="text in the run name, or an exact id")] = None,
+    cursor: Annotated[str | None, Query(max_length=500)] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> RunPage:
+    try:
+        runs, next_cursor = queries.list_runs(session, status, tag, algorithm, q, cursor, limit)
+    except queries.BadCursor as exc:
+        raise HTTPException(400, str(exc)) from exc
+    ids = [r.id for r in runs]
+    tags = queries.run_tags(session, ids)
+    rewards = queries.latest_metric(session, ids, "reward")
+    return RunPage(items=[run_out(r, tags[r.id], rewards.get(r.id)) for r in runs], next_cursor=next_cursor)
+
+
+@router.get("/runs/{run_id}", response_model=RunOut, responses=NOT_FOUND)
+def get_run(run_id: str, session: Annotated[Session, Depends(get_session)]) -> RunOut:
+    run = get_run_or_404(session, run_id)
+    tags = queries.run_tags(session, [run.id])[run.id]
+    reward = queries.latest_metric(session, [run.id], "reward").get(run.id)
+    return run_out(run, tags, reward, with_config=True)
+
+
+@router.post("/runs/{run_id}/cancel", response_model=RunOut, responses={**NOT_FOUND, **CONFLICT})
+def cancel_run(run_id: str, request: Request, session: Annotated[Session, Depends(get_session)]) -> RunOut:
+    """A queued run is cancelled at once; a running one checkpoints at its next step, then stops."""
+    run = get_run_or_404(session, run_id)
+    writer = request.app.state.writer
+    if run.status == "queued":
+        writer.set_status(run.id, "cancelled", message="cancelled before it started")
+    elif run.status == "running":
+        writer.set_status(run.id, "cancelling", message="cancel requested: checkpoint, then stop")
+        request.app.state.dispatcher.cancel(run.id)
+    else:
+        raise HTTPException(409, f"run {run.id} is {run.status}: only queued or running runs can be cancelled")
+    return _reload(request, run.id)
+
+
+@router.post("/runs/{run_id}/resume", response_model=RunOut, responses={**NOT_FOUND, **CONFLICT})
+def resume_run(run_id: str, request: Request, session: Annotated[Session, Depends(get_session)]) -> RunOut:
+    """Queue a failed or cancelled run again as a new attempt; it continues from its last checkpoint."""
+    run = get_run_or_404(session, run_id)
+    if run.status not in ("failed", "cancelled"):
+        raise HTTPException(409, f"run {run.id} is {run.status}: only failed or cancelled runs can be resumed")
+    with session_scope(request.app.state.engine) as s:
+        s.execute(
+            update(Run)
+            .where(Run.id == run.id)
+            .values(status="queued", attempt=Run.attempt + 1, error=None, finished_at=None, worker=None)
+        )
+        s.add(Event(run_id=run.id, level="info", message=f"resume requested: attempt {run.attempt + 1}"))
+    with _fresh(request) as fresh:
+        run = get_run_or_404(fresh, run.id)
+    _dispatch(request, run)
+    return _reload(request, run.id)
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    dotted = {k: v for k, v in overrides.items() if "." in k}
+    for key, value in overrides.items():
+        if "." in key:
+            continue
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    for key, value in dotted.items():
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise _validation_error([(key, f"{part} is not a mapping")])
+        node[parts[-1]] = value
+    return out
+
+
+@router.post("/runs/{run_id}/clone", status_code=201, response_model=RunCreated, responses={**NOT_FOUND, **INVALID})
+def clone_run(
+    run_id: str,
+    request: Request,
+    response: Response,
+    session: Annotated[Session, Depends(get_session)],
+    body: Annotated[CloneRequest | None, Body()] = None,
+) -> RunCreated:
+    """A new run with the same config, changed by ``overrides``."""
+    source = get_run_or_404(session, run_id)
+    overrides = body.overrides if body else {}
+    data = _merge(source.config, overrides)
+    if "name" not in overrides:
+        data["name"] = f"{source.name}-clone"
+    try:
+        config = parse_config(data)
+    except ConfigError as exc:
+        raise _validation_error(exc.errors) from exc
+    run = _create(request, config, parent_id=source.id)
+    response.headers["Location"] = run_url(run.id)
+    return RunCreated(id=run.id, status="queued", url=run_url(run.id))
+
+
+@router.delete("/runs/{run_id}", status_code=204, responses={**NOT_FOUND, **CONFLICT})
+def delete_run(run_id: str, request: Request, session: Annotated[Session, Depends(get_session)]) -> Response:
+    """Only a run that has ended; its images stay (other runs may share them)."""
+    run = get_run_or_404(session, run_id)
+    if run.status not in ENDED:
+        raise HTTPException(409, f"run {run.id} is {run.status}: cancel it first, only ended runs can be deleted")
+    request.app.state.writer.delete_run(run.id)
+    return Response(status_code=204)
+
+
+@router.get("/runs/{run_id}/metrics", response_model=dict[str, list[tuple[int, float | None]]], responses=NOT_FOUND)
+def get_metrics(
+    run_id: str,
+    session: Annotated[Session, Depends(get_session)],
+    keys: Annotated[
+        list[str] | None, Query(description="metric names; repeat or comma-separate; all if absent")
+    ] = None,
+    from_step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
+    to_step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
+    max_points: Annotated[
+        int | None, Query(ge=3, le=100_000, description="per key; min/max per bucket above it")
+    ] = None,
+) -> dict[str, list[tuple[int, float | None]]]:
+    get_run_or_404(session, run_id)
+    names = [k for item in keys or [] for k in item.split(",") if k] or None
+    if names and any(len(k) > 100 for k in names):
+        raise _validation_error([("query.keys", "metric names are at most 100 characters")])
+    return queries.query_metrics(session, run_id, names, from_step, to_step, max_points)
+
+
+@router.get("/runs/{run_id}/events", response_model=EventPage, responses=NOT_FOUND)
+def get_events(
+    run_id: str,
+    session: Annotated[Session, Depends(get_session)],
+    after: Annotated[int | None, Query(ge=0, le=2**62, description="only events with a larger id")] = None,
+    level: Annotated[str | None, Query(pattern="^(debug|info|warning|error)$")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> EventPage:
+    get_run_or_404(session, run_id)
+    events = queries.query_events(session, run_id, after, limit, level)
+    items = [EventOut(id=e.id, time=e.time, level=e.level, message=e.message) for e in events]
+    return EventPage(items=items, last_id=items[-1].id if items else after)
+
+
+def _fresh(request: Request) -> Session:
+    return Session(request.app.state.engine, expire_on_commit=False)
+
+
+def _reload(request: Request, run_id: str) -> RunOut:
+    with _fresh(request) as session:
+        return get_run(run_id, session)
+
+
+def _snapshot(engine, run_id: str, after_step: int) -> tuple[dict[str, Any] | None, dict[int, dict[str, float]]]:
+    with Session(engine) as session:
+        run = session.get(Run, run_id)
+        if run is None:
+            return None, {}
+        state = {"status": run.status, "step": run.step, "max_steps": run.max_steps, "error": run.error}
+        metrics: dict[int, dict[str, float]] = {}
+        for step, key, value in session.execute(
+            select(Metric.step, Metric.key, Metric.value)
+            .where(Metric.run_id == run_id, Metric.step > after_step)
+            .order_by(Metric.step)
+            .limit(5000)
+        ):
+            metrics.setdefault(step, {})[key] = value
+        return state, metrics
+
+
+@router.get(
+    "/runs/{run_id}/stream",
+    responses={**NOT_FOUND, 200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
+)
+async def stream_run(
+    run_id: str,
+    request: Request,
+    poll: Annotated[float, Query(ge=0.1, le=10.0, description="seconds between checks")] = 1.0,
+) -> StreamingResponse:
+    """Server-sent events: `status` and `progress` on change, `metrics` per new step; ends when the run ends."""
+    engine = request.app.state.engine
+    state, _ = await run_in_threadpool(_snapshot, engine, run_id, INT_MAX)
+    if state is None:
+        raise HTTPException(404, f"no run with id {run_id!r}")
+
+    async def events():
+        last_status, last_step, metric_step = None, None, -1
+        while True:
+            state, metrics = await run_in_threadpool(_snapshot, engine, run_id, metric_step)
+            if state is None:
+                yield _sse("status", {"status": "deleted"})
+                return
+            if state["status"] != last_status:
+                last_status = state["status"]
+                yield _sse("status", state)
+            if state["step"] != last_step:
+                last_step = state["step"]
+                yield _sse("progress", {"step": state["step"], "max_steps": state["max_steps"]})
+            for step, values in metrics.items():
+                metric_step = max(metric_step, step)
+                yield _sse("metrics", {"step": step, **values})
+            if state["status"] in ENDED:
+                return
+            if await request.is_disconnected():
+                return
+            await asyncio.sleep(poll)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n"

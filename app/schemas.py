@@ -1,0 +1,197 @@
+"""Response and request models of the REST API (they make the OpenAPI schema precise)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class FieldError(BaseModel):
+    path: str = Field(description="dotted key path of the bad field, e.g. train.loss_type")
+    message: str
+
+
+class ValidationErrorOut(BaseModel):
+    detail: list[FieldError]
+
+
+class ErrorOut(BaseModel):
+    detail: str
+
+
+class RunCreated(BaseModel):
+    id: str
+    status: Literal["queued"]
+    url: str
+
+
+class Progress(BaseModel):
+    step: int
+    max_steps: int
+
+
+class RunOut(BaseModel):
+    id: str
+    name: str
+    algorithm: str
+    status: str
+    tags: list[str]
+    model: str
+    dataset: str
+    progress: Progress
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    updated_at: datetime
+    heartbeat_at: datetime | None
+    error: str | None
+    warning_count: int
+    attempt: int
+    worker: str | None
+    parent_id: str | None
+    latest_reward: float | None = None
+    url: str
+    config: dict[str, Any] | None = None
+
+
+class RunPage(BaseModel):
+    items: list[RunOut]
+    next_cursor: str | None
+
+
+class CloneRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="config keys to change, nested like the config or dotted ({'train.max_steps': 10})",
+    )
+
+
+class ImageRef(BaseModel):
+    sha256: str
+    url: str
+    thumb_url: str
+    width: int
+    height: int
+
+
+class SampleOut(BaseModel):
+    id: int
+    run_id: str
+    step: int
+    group: int
+    index: int
+    prompt: Any
+    completion: str
+    images: list[ImageRef]
+    rewards: dict[str, float | None]
+    reward: float | None
+    advantage: float
+    completion_length: int
+    truncated: bool
+    num_images: int
+    group_mean: float | None
+    group_std: float | None
+    zero_std: bool
+    dataset_row: int | None
+
+
+class SamplePage(BaseModel):
+    items: list[SampleOut]
+    next_cursor: str | None
+
+
+class EventOut(BaseModel):
+    id: int
+    time: datetime
+    level: str
+    message: str
+
+
+class EventPage(BaseModel):
+    items: list[EventOut]
+    last_id: int | None
+
+
+class DatasetCheckRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1, max_length=1000)
+    split: str = Field("train", max_length=100)
+    model: str | None = Field(None, max_length=1000)
+    max_prompt_length: int | None = Field(None, gt=0, le=1_000_000)
+    rows: int = Field(256, gt=0, le=100_000, description="synth:<task> only")
+    min_images: int = Field(0, ge=0, le=64, description="synth:<task> only")
+    max_images: int = Field(3, ge=0, le=64, description="synth:<task> only")
+    seed: int = Field(0, ge=0, description="synth:<task> only")
+
+
+class RowProblem(BaseModel):
+    row: int
+    message: str
+
+
+class Stats(BaseModel):
+    min: float
+    mean: float
+    max: float
+
+
+class DatasetCheckOut(BaseModel):
+    source: str
+    ok: bool
+    rows: int
+    errors: list[RowProblem]
+    images_per_row: Stats | None
+    image_tokens_per_row: Stats | None
+    prompt_tokens_per_row: Stats | None
+    truncated_rows: int
+    model: str | None
+    max_prompt_length: int | None
+    summary: str
+
+
+class PreviewRow(BaseModel):
+    row: int
+    prompt: Any
+    images: list[ImageRef]
+    columns: dict[str, Any]
+    error: str | None = None
+
+
+class DatasetPreviewOut(BaseModel):
+    source: str
+    rows: list[PreviewRow]
+
+
+class RewardInfo(BaseModel):
+    name: str
+    kind: Literal["builtin"]
+    doc: str
+
+
+class RewardsOut(BaseModel):
+    builtins: list[RewardInfo]
+    user_functions: str
+    text_reward_models: str
+
+
+class FamilyInfo(BaseModel):
+    name: str
+    layout: str
+    tiny: bool
+    model_types: list[str]
+
+
+class ModelsOut(BaseModel):
+    families: list[FamilyInfo]
+    tiny: list[str]
+    local: list[str]
+
+
+class HealthOut(BaseModel):
+    ok: bool
+    store: dict[str, Any]
+    broker: dict[str, Any]
+    workers: list[dict[str, Any]]

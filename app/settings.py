@@ -1,0 +1,31 @@
+"""Settings from the environment (contract: COLLAGE_HOME, COLLAGE_DATABASE_URL, COLLAGE_BROKER_URL,
+COLLAGE_ARTIFACTS). Read once per process through :func:`get_settings`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str
+    broker_url: str
+    artifacts: Path
+    max_body_bytes: int = 1_048_576  # request bodies above this are refused (413)
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        home = Path(os.environ.get("COLLAGE_HOME") or Path.home() / ".collage").expanduser()
+        database_url = os.environ.get("COLLAGE_DATABASE_URL") or f"sqlite:///{home / 'collage.db'}"
+        broker_url = os.environ.get("COLLAGE_BROKER_URL") or f"sqla+sqlite:///{home / 'broker.db'}"
+        artifacts = Path(os.environ.get("COLLAGE_ARTIFACTS") or home / "artifacts").expanduser()
+        return cls(home=home, database_url=database_url, broker_url=broker_url, artifacts=artifacts)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings.from_env()

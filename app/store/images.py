@@ -1,0 +1,72 @@
+"""Image files under ``COLLAGE_ARTIFACTS``, addressed by the SHA-256 of their PNG bytes.
+
+``images/ab/cd/<sha256>.png`` holds the image, ``thumbs/ab/cd/<sha256>.png`` its thumbnail, made on first
+request and kept. Files are written through a temporary name and renamed, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from PIL import Image as PILImage
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+THUMB_SIZE = 160
+
+
+def is_sha256(value: str) -> bool:
+    return bool(SHA256_RE.match(value))
+
+
+def relative_path(sha: str, kind: str = "images") -> str:
+    if not is_sha256(sha):
+        raise ValueError(f"not a SHA-256 hex digest: {sha!r}")
+    return f"{kind}/{sha[:2]}/{sha[2:4]}/{sha}.png"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_image(artifacts: Path, png: bytes, sha: str | None = None) -> tuple[str, str]:
+    """Store PNG bytes once; returns ``(sha256, relative path)``. The hash is checked, never trusted."""
+    digest = hashlib.sha256(png).hexdigest()
+    if sha is not None and sha != digest:
+        raise ValueError(f"image bytes hash to {digest}, not {sha}")
+    rel = relative_path(digest)
+    path = artifacts / rel
+    if not path.exists():
+        _atomic_write(path, png)
+    return digest, rel
+
+
+def image_info(png: bytes) -> tuple[int, int, str]:
+    with PILImage.open(io.BytesIO(png)) as image:
+        return image.width, image.height, (image.format or "png").lower()
+
+
+def thumbnail(artifacts: Path, sha: str) -> Path:
+    """The thumbnail's path, made once from the stored image."""
+    thumb = artifacts / relative_path(sha, "thumbs")
+    if thumb.exists():
+        return thumb
+    with PILImage.open(artifacts / relative_path(sha)) as image:
+        image = image.convert("RGB")
+        image.thumbnail((THUMB_SIZE, THUMB_SIZE))
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+    _atomic_write(thumb, buf.getvalue())
+    return thumb

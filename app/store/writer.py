@@ -1,0 +1,254 @@
+"""The write side of the run store, used by the API and by workers.
+
+Every method is one transaction. ``append_samples`` writes a whole step (rows, their images, the links) at
+once and replaces what an earlier delivery of the same step wrote, so retries never duplicate rows;
+``append_metrics`` upserts, so re-writing a step's metrics is idempotent too.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from ..db import session_scope
+from ..models import ENDED, Checkpoint, Event, Image, Metric, Run, RunTag, Sample, SampleImage, utcnow
+from .images import image_info, write_image
+
+NULL_REWARD = -1e300  # reward_sort of unscorable rows: below any real reward
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _insert(session: Session, table):
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    else:  # pragma: no cover - only SQLite and PostgreSQL are supported
+        raise RuntimeError(f"unsupported database dialect {dialect}")
+    return dialect_insert(table)
+
+
+def _clean(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+@dataclass
+class ImageIn:
+    png: bytes
+    sha256: str | None = None
+
+
+@dataclass
+class SampleIn:
+    """A rollout row as the writer takes it (the trainer's ``RolloutRow`` fits by attribute names)."""
+
+    group: int
+    index: int
+    prompt: Any
+    completion: str
+    images: Sequence[ImageIn]
+    rewards: Mapping[str, float | None]
+    reward: float | None
+    advantage: float
+    completion_length: int
+    truncated: bool
+    group_mean: float | None = None
+    group_std: float | None = None
+    dataset_row: int | None = None
+
+
+def prompt_text(prompt: Any) -> str:
+    """Plain text of a prompt, for search."""
+    if isinstance(prompt, str):
+        return prompt
+    parts = []
+    for message in prompt or []:
+        content = message.get("content", "") if isinstance(message, dict) else ""
+        if isinstance(content, str):
+            parts.append(content)
+        else:
+            parts.extend(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return " ".join(parts)
+
+
+class StoreWriter:
+    def __init__(self, engine: Engine, artifacts: Path):
+        self.engine = engine
+        self.artifacts = Path(artifacts)
+
+    # ----------------------------------------------------------------- runs
+    def create_run(self, config: Mapping[str, Any], parent_id: str | None = None, run_id: str | None = None) -> Run:
+        run = Run(
+            id=run_id or new_run_id(),
+            name=config["name"],
+            algorithm=config["algorithm"],
+            config=dict(config),
+            status="queued",
+            step=0,
+            max_steps=config["train"]["max_steps"],
+            model_path=config["model"]["path"],
+            dataset_source=config["dataset"]["source"],
+            parent_id=parent_id,
+        )
+        with session_scope(self.engine) as session:
+            session.add(run)
+            session.flush()
+            for tag in dict.fromkeys(config.get("tags") or []):
+                session.add(RunTag(run_id=run.id, tag=tag))
+            session.add(Event(run_id=run.id, level="info", message="queued"))
+        return run
+
+    def set_status(
+        self, run_id: str, status: str, error: str | None = None, worker: str | None = None, message: str | None = None
+    ) -> None:
+        now = utcnow()
+        values: dict[str, Any] = {"status": status, "updated_at": now}
+        if status == "running":
+            values["started_at"] = now
+            values["heartbeat_at"] = now
+        if status in ENDED:
+            values["finished_at"] = now
+        if error is not None:
+            values["error"] = error
+        if worker is not None:
+            values["worker"] = worker
+        with session_scope(self.engine) as session:
+            session.execute(update(Run).where(Run.id == run_id).values(**values))
+            level = "error" if status == "failed" else "info"
+            session.add(Event(run_id=run_id, level=level, message=message or f"status: {status}"))
+
+    def set_progress(self, run_id: str, step: int, max_steps: int | None = None) -> None:
+        values: dict[str, Any] = {"step": step, "updated_at": utcnow()}
+        if max_steps is not None:
+            values["max_steps"] = max_steps
+        with session_scope(self.engine) as session:
+            session.execute(update(Run).where(Run.id == run_id).values(**values))
+
+    def heartbeat(self, run_id: str, worker: str | None = None) -> None:
+        values: dict[str, Any] = {"heartbeat_at": utcnow()}
+        if worker is not None:
+            values["worker"] = worker
+        with session_scope(self.engine) as session:
+            session.execute(update(Run).where(Run.id == run_id).values(**values))
+
+    # --------------------------------------------------------------- events
+    def add_event(self, run_id: str, level: str, message: str) -> None:
+        with session_scope(self.engine) as session:
+            session.add(Event(run_id=run_id, level=level, message=message))
+            if level == "warning":
+                session.execute(update(Run).where(Run.id == run_id).values(warning_count=Run.warning_count + 1))
+
+    # -------------------------------------------------------------- metrics
+    def append_metrics(self, run_id: str, step: int, metrics: Mapping[str, Any]) -> None:
+        rows = [{"run_id": run_id, "key": k, "step": step, "value": _clean(v)} for k, v in metrics.items()]
+        if not rows:
+            return
+        with session_scope(self.engine) as session:
+            stmt = _insert(session, Metric.__table__)
+            stmt = stmt.on_conflict_do_update(
+                index_elements=["run_id", "key", "step"], set_={"value": stmt.excluded.value}
+            )
+            session.execute(stmt, rows)
+
+    # -------------------------------------------------------------- samples
+    def append_samples(self, run_id: str, step: int, rows: Iterable[Any]) -> int:
+        """Write one step's rollout rows with their images in one transaction; returns the row count."""
+        rows = list(rows)
+        images: dict[str, tuple[bytes, str]] = {}
+        per_row: list[list[str]] = []
+        for row in rows:
+            shas = []
+            for image in row.images:
+                sha, rel = write_image(self.artifacts, image.png, getattr(image, "sha256", None))
+                images.setdefault(sha, (image.png, rel))
+                shas.append(sha)
+            per_row.append(shas)
+        image_rows = []
+        for sha, (png, rel) in images.items():
+            width, height, fmt = image_info(png)
+            image_rows.append(
+                {"sha256": sha, "width": width, "height": height, "format": fmt, "size_bytes": len(png), "path": rel,
+                 "created_at": utcnow()}
+            )  # fmt: skip
+        sample_rows = []
+        for row, shas in zip(rows, per_row, strict=True):
+            reward = _clean(row.reward)
+            std = _clean(row.group_std)
+            sample_rows.append(
+                {
+                    "run_id": run_id,
+                    "step": step,
+                    "group": int(row.group),
+                    "index": int(row.index),
+                    "prompt": row.prompt,
+                    "prompt_text": prompt_text(row.prompt),
+                    "completion": row.completion,
+                    "rewards": {k: _clean(v) for k, v in row.rewards.items()},
+                    "reward": reward,
+                    "reward_sort": NULL_REWARD if reward is None else reward,
+                    "advantage": _clean(row.advantage) or 0.0,
+                    "completion_length": int(row.completion_length),
+                    "truncated": bool(row.truncated),
+                    "num_images": len(shas),
+                    "group_mean": _clean(row.group_mean),
+                    "group_std": std,
+                    "zero_std": std is not None and abs(std) < 1e-8,
+                    "dataset_row": getattr(row, "dataset_row", getattr(row, "row", None)),
+                }
+            )
+        with session_scope(self.engine) as session:
+            if image_rows:
+                stmt = _insert(session, Image.__table__).on_conflict_do_nothing(index_elements=["sha256"])
+                session.execute(stmt, image_rows)
+            # a redelivered step replaces what the earlier delivery wrote
+            session.execute(delete(Sample).where(Sample.run_id == run_id, Sample.step == step))
+            if sample_rows:
+                result = session.execute(
+                    insert(Sample.__table__).returning(Sample.__table__.c.id, sort_by_parameter_order=True), sample_rows
+                )
+                ids = [r[0] for r in result]
+                links = [
+                    {"sample_id": sid, "position": pos, "sha256": sha}
+                    for sid, shas in zip(ids, per_row, strict=True)
+                    for pos, sha in enumerate(shas)
+                ]
+                if links:
+                    session.execute(insert(SampleImage.__table__), links)
+        return len(sample_rows)
+
+    # ---------------------------------------------------------- checkpoints
+    def add_checkpoint(self, run_id: str, step: int, path: str) -> None:
+        with session_scope(self.engine) as session:
+            stmt = _insert(session, Checkpoint.__table__).on_conflict_do_update(
+                index_elements=["run_id", "step"], set_={"path": path}
+            )
+            session.execute(stmt, [{"run_id": run_id, "step": step, "path": path, "created_at": utcnow()}])
+
+    def delete_run(self, run_id: str) -> None:
+        with session_scope(self.engine) as session:
+            # children first: SQLite enforces the cascades, but deleting explicitly keeps it one fast statement each
+            sample_ids = select(Sample.id).where(Sample.run_id == run_id)
+            session.execute(delete(SampleImage).where(SampleImage.sample_id.in_(sample_ids)))
+            for table in (Sample, Metric, Event, Checkpoint, RunTag):
+                session.execute(delete(table).where(table.run_id == run_id))
+            session.execute(update(Run).where(Run.parent_id == run_id).values(parent_id=None))
+            session.execute(delete(Run).where(Run.id == run_id))
+
+    def count_samples(self, run_id: str) -> int:
+        with Session(self.engine) as session:
+            return session.exec(select(func.count()).select_from(Sample).where(Sample.run_id == run_id)).one()[0]
