@@ -373,8 +373,7 @@ def test_sample_filters_and_sorts_match_a_hand_computed_expectation(api):
     for params, keep in cases:
         got = _all_pages(client, run, limit=7, **params)
         assert sorted(map(got_key, got)) == sorted(key(e) for e in expected if keep(e)), params
-    for sort, value, nulls in [("reward", "reward", True), ("advantage", "advantage", False),
-                               ("completion_length", "length", False), ("step", "step", False)]:  # fmt: skip
+    for sort, nulls in [("reward", True), ("advantage", False), ("completion_length", False), ("step", False)]:
         for prefix in ("", "-"):
             got = _all_pages(client, run, sort=prefix + sort, limit=5)
             assert len(got) == len(expected) and len({s["id"] for s in got}) == len(expected)
