@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/services.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

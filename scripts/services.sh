@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Makes sure the services the tests use are up: PostgreSQL (127.0.0.1:5432) and Redis (127.0.0.1:6379).
+# Starts the machine's own instances when they are installed but down; installs nothing by itself unless
+# CI=true, where a missing service is installed from Debian's packages (tests must run there, not skip).
+set -uo pipefail
+
+pg_up() { python3 - <<'PY' 2>/dev/null
+import socket, sys
+s = socket.socket(); s.settimeout(1)
+sys.exit(0 if s.connect_ex(("127.0.0.1", 5432)) == 0 else 1)
+PY
+}
+redis_up() { (exec 3<>/dev/tcp/127.0.0.1/6379 && printf 'PING\r\n' >&3 && timeout 2 head -c 7 <&3 | grep -q PONG) 2>/dev/null; }
+
+if ! pg_up; then
+  if [ "${CI:-}" = "true" ] && ! command -v pg_ctlcluster >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  fi
+  if command -v pg_ctlcluster >/dev/null && [ -d /etc/postgresql ]; then
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start || true
+    for _ in $(seq 1 30); do pg_up && break; sleep 1; done
+  fi
+  pg_up && echo "services: started PostgreSQL" || echo "services: PostgreSQL is not running (its tests will skip outside CI)"
+fi
+
+if ! redis_up; then
+  if [ "${CI:-}" = "true" ] && ! command -v redis-server >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  fi
+  if command -v redis-server >/dev/null; then
+    mkdir -p /var/lib/redis /var/log/redis 2>/dev/null || true
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+      --dir /var/lib/redis --logfile /var/log/redis/ci.log >/dev/null 2>&1 || true
+    for _ in $(seq 1 20); do redis_up && break; sleep 0.5; done
+  fi
+  redis_up && echo "services: started Redis" || echo "services: Redis is not running (its tests will skip outside CI)"
+fi
+exit 0
