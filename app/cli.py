@@ -118,6 +118,27 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import serve
+
+    return serve(args.host, args.port, args.workers)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from worker.main import run_worker
+
+    gpus = [int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else []
+    queues = [q for q in args.queues.split(",") if q]
+    run_worker(queues, gpus, name=args.name, loglevel=args.loglevel)
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from .submit import submit
+
+    return submit(args.config, args.set, args.server, args.token, args.follow)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -196,6 +217,29 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument("--rows", type=int, default=5)
     preview.add_argument("--artifacts", required=True, help="folder that receives images/<sha256>.png")
     preview.set_defaults(func=_cmd_preview)
+
+    serve = commands.add_parser("serve", help="web app + API + embedded worker(s) on this machine")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--workers", type=int, default=1, help="embedded workers (0: web-only node)")
+    serve.set_defaults(func=_cmd_serve)
+
+    worker = commands.add_parser("worker", help="a Celery worker: one run at a time on its GPU slot")
+    worker.add_argument("--queues", default="default", help="comma-separated queues to take runs from")
+    worker.add_argument("--gpus", default="", help="the GPUs of this worker's slot, e.g. 0 or 0,1 (none: CPU)")
+    worker.add_argument("--name", help="worker name (default collage-<host>-<pid>)")
+    worker.add_argument("--loglevel", default="INFO")
+    worker.set_defaults(func=_cmd_worker)
+
+    submit = commands.add_parser("submit", help="submit a run config to a Collage server")
+    submit.add_argument("config")
+    submit.add_argument("--server", default=None, help="server URL (default $COLLAGE_SERVER or http://127.0.0.1:8000)")
+    submit.add_argument("--token", default=None, help="API token (default $COLLAGE_TOKEN, else $COLLAGE_HOME/token)")
+    submit.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
+    submit.add_argument(
+        "--follow", action="store_true", help="show progress until the run ends; exit 0 only if it succeeded"
+    )
+    submit.set_defaults(func=_cmd_submit)
 
     db = commands.add_parser("db", help="the run store").add_subparsers(dest="sub", required=True)
     db_upgrade = db.add_parser("upgrade", help="apply migrations to COLLAGE_DATABASE_URL")

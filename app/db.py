@@ -79,7 +79,14 @@ def alembic_config(url: str):
 def upgrade(url: str, revision: str = "head") -> None:
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    engine = make_engine(url)  # ours: SQLite's folder is created and its pragmas are on
+    try:
+        with engine.begin() as connection:
+            config = alembic_config(url)
+            config.attributes["connection"] = connection
+            command.upgrade(config, revision)
+    finally:
+        engine.dispose()
 
 
 def head_revision() -> str:

@@ -162,3 +162,18 @@ class ApiToken(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow)
     last_used_at: datetime | None = None
     revoked: bool = False
+
+
+class Worker(SQLModel, table=True):
+    """A live ``collage worker`` (one GPU slot), refreshed every few seconds; stale rows mean a lost worker."""
+
+    __tablename__ = "workers"
+
+    name: str = Field(primary_key=True, max_length=200)
+    hostname: str = Field(max_length=200)
+    pid: int
+    queues: list[str] = Field(sa_column=Column(JSON, nullable=False))
+    gpus: list[int] = Field(sa_column=Column(JSON, nullable=False))
+    current_run_id: str | None = Field(default=None, max_length=32)
+    started_at: datetime = Field(default_factory=utcnow)
+    last_seen: datetime = Field(default_factory=utcnow)

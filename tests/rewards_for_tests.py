@@ -59,6 +59,11 @@ async def _slow(n):
     return [0.5] * n
 
 
-def sleepy(completions, **kwargs):
-    time.sleep(0.01)
+def sleepy(completions, delay=0.01, **kwargs):
+    """Paces a run (``args: {delay: seconds}``) so that tests can act on it mid-run."""
+    time.sleep(delay)
     return [0.0] * len(completions)
+
+
+def always_fails(completions, **kwargs):
+    raise ValueError("this reward always fails")

@@ -17,7 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from ..auth import UNAUTHORIZED, require_token
 from ..db import session_scope
 from ..schemas import DatasetCheckOut, DatasetCheckRequest, DatasetPreviewOut, PreviewRow
-from ..store.writer import _insert
+from ..store.writer import dialect_insert
 from .common import image_ref
 
 router = APIRouter(tags=["datasets"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
@@ -100,4 +100,6 @@ def _register_images(engine, images: list[dict]) -> None:
         for im in images
     ]  # fmt: skip
     with session_scope(engine) as session:
-        session.execute(_insert(session, Image.__table__).on_conflict_do_nothing(index_elements=["sha256"]), rows)
+        session.execute(
+            dialect_insert(session, Image.__table__).on_conflict_do_nothing(index_elements=["sha256"]), rows
+        )

@@ -29,7 +29,8 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def _insert(session: Session, table):
+def dialect_insert(session: Session, table):
+    """An INSERT with ``on_conflict_do_*`` for the session's database (SQLite or PostgreSQL)."""
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as dialect_insert
@@ -38,6 +39,12 @@ def _insert(session: Session, table):
     else:  # pragma: no cover - only SQLite and PostgreSQL are supported
         raise RuntimeError(f"unsupported database dialect {dialect}")
     return dialect_insert(table)
+
+
+def upsert(session: Session, table, rows: list[dict], keys: list[str], update_columns: list[str]) -> None:
+    stmt = dialect_insert(session, table)
+    stmt = stmt.on_conflict_do_update(index_elements=keys, set_={c: stmt.excluded[c] for c in update_columns})
+    session.execute(stmt, rows)
 
 
 def _clean(value: Any) -> float | None:
@@ -159,7 +166,7 @@ class StoreWriter:
         if not rows:
             return
         with session_scope(self.engine) as session:
-            stmt = _insert(session, Metric.__table__)
+            stmt = dialect_insert(session, Metric.__table__)
             stmt = stmt.on_conflict_do_update(
                 index_elements=["run_id", "key", "step"], set_={"value": stmt.excluded.value}
             )
@@ -213,7 +220,7 @@ class StoreWriter:
             )
         with session_scope(self.engine) as session:
             if image_rows:
-                stmt = _insert(session, Image.__table__).on_conflict_do_nothing(index_elements=["sha256"])
+                stmt = dialect_insert(session, Image.__table__).on_conflict_do_nothing(index_elements=["sha256"])
                 session.execute(stmt, image_rows)
             # a redelivered step replaces what the earlier delivery wrote
             session.execute(delete(Sample).where(Sample.run_id == run_id, Sample.step == step))
@@ -234,7 +241,7 @@ class StoreWriter:
     # ---------------------------------------------------------- checkpoints
     def add_checkpoint(self, run_id: str, step: int, path: str) -> None:
         with session_scope(self.engine) as session:
-            stmt = _insert(session, Checkpoint.__table__).on_conflict_do_update(
+            stmt = dialect_insert(session, Checkpoint.__table__).on_conflict_do_update(
                 index_elements=["run_id", "step"], set_={"path": path}
             )
             session.execute(stmt, [{"run_id": run_id, "step": step, "path": path, "created_at": utcnow()}])

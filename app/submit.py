@@ -1,0 +1,108 @@
+"""``collage submit``: send a run config to a server over REST, optionally follow it to the end."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from .settings import get_settings
+
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+def _token(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    if os.environ.get("COLLAGE_TOKEN"):
+        return os.environ["COLLAGE_TOKEN"]
+    path = get_settings().home / "token"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def submit(config_path: str, overrides: list[str], server: str | None, token: str | None, follow: bool) -> int:
+    from training.config import ConfigError, apply_overrides
+
+    server = (server or os.environ.get("COLLAGE_SERVER") or "http://127.0.0.1:8000").rstrip("/")
+    token = _token(token)
+    if not token:
+        print(
+            "collage: error: no API token: pass --token, set COLLAGE_TOKEN, or run `collage token create`",
+            file=sys.stderr,
+        )
+        return 2
+    file = Path(config_path)
+    if not file.is_file():
+        print(f"collage: error: config file not found: {file}", file=sys.stderr)
+        return 2
+    try:
+        data = apply_overrides(yaml.safe_load(file.read_text()) or {}, overrides)
+    except (yaml.YAMLError, ConfigError) as exc:
+        print(f"collage: error: {exc}", file=sys.stderr)
+        return 2
+    client = httpx.Client(base_url=server + "/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    try:
+        response = client.post("/runs", json=data)
+    except httpx.HTTPError as exc:
+        print(f"collage: error: cannot reach {server}: {exc}", file=sys.stderr)
+        return 2
+    if response.status_code == 422:
+        for error in response.json()["detail"]:
+            print(f"collage: config error: {error['path']}: {error['message']}", file=sys.stderr)
+        return 2
+    if response.status_code != 201:
+        print(f"collage: error: {response.status_code} {response.text}", file=sys.stderr)
+        return 2
+    run = response.json()
+    print(f"submitted run {run['id']} ({server}{run['url']})", flush=True)
+    if not follow:
+        return 0
+    return _follow(client, run["id"])
+
+
+def _follow(client: httpx.Client, run_id: str) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    status, seen_events = "queued", None
+    with Progress(
+        TextColumn("[bold]{task.fields[status]}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+        TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        disable=not sys.stderr.isatty(),
+    ) as progress:  # fmt: skip
+        task = progress.add_task("run", total=None, status=status, reward="-")
+        last_print = None
+        while True:
+            try:
+                run = client.get(f"/runs/{run_id}").json()
+                events = client.get(
+                    f"/runs/{run_id}/events", params={"after": seen_events} if seen_events else {}
+                ).json()
+            except httpx.HTTPError as exc:
+                print(f"(server unreachable: {exc}; retrying)", file=sys.stderr)
+                time.sleep(2)
+                continue
+            for event in events["items"]:
+                if event["level"] in ("warning", "error"):
+                    progress.console.print(f"[{event['level']}] {event['message'].splitlines()[0][:300]}")
+            seen_events = events["last_id"]
+            status = run["status"]
+            reward = run["latest_reward"]
+            shown = "-" if reward is None else f"{reward:.3f}"
+            progress.update(
+                task, total=run["progress"]["max_steps"], completed=run["progress"]["step"], status=status, reward=shown
+            )
+            line = (status, run["progress"]["step"])
+            if not sys.stderr.isatty() and line != last_print:
+                print(
+                    f"{status} step {run['progress']['step']}/{run['progress']['max_steps']} reward {shown}", flush=True
+                )
+                last_print = line
+            if status in ENDED:
+                break
+            time.sleep(1)
+    print(f"run {run_id} {status}" + (f": {run['error'].splitlines()[-1]}" if run.get("error") else ""))
+    return 0 if status == "succeeded" else 1

@@ -1,0 +1,433 @@
+"""Workers end to end: a real Redis broker (our own instance, on a free port), PostgreSQL, real Celery worker
+processes training tiny models, and the API with the real Celery dispatcher. Also the embedded defaults
+(SQLite store and broker) started the way `collage serve` starts them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+from sqlmodel import Session
+
+from app.models import Checkpoint, Event, Metric, Run, Sample
+
+from .conftest import require_service
+
+ROOT = Path(__file__).resolve().parents[1]
+API = "/api/v1"
+HEARTBEAT_TIMEOUT = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """Our own redis-server, so stopping it never touches the machine's shared instance."""
+
+    def __init__(self, tmp: Path):
+        self.port = free_port()
+        self.dir = tmp
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    require_service(None if shutil.which("redis-server") else "redis-server is not installed")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_home(tmp_path_factory):
+    """One COLLAGE_HOME for the module: tiny models and synthetic data are built once, by the first run."""
+    return tmp_path_factory.mktemp("collage-home")
+
+
+class Cluster:
+    """Workers as separate processes plus an in-process API using the real Celery dispatcher."""
+
+    def __init__(self, database_url: str, broker_url: str, home: Path, artifacts: Path):
+        from fastapi.testclient import TestClient
+
+        from app.db import engine_for
+        from app.main import create_app
+        from app.settings import Settings
+        from app.store.tokens import create_token
+        from worker.dispatcher import CeleryDispatcher
+
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "COLLAGE_HOME": str(home),
+            "COLLAGE_DATABASE_URL": database_url,
+            "COLLAGE_BROKER_URL": broker_url,
+            "COLLAGE_ARTIFACTS": str(artifacts),
+            "COLLAGE_HEARTBEAT_INTERVAL": "1",
+            "COLLAGE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
+            "COLLAGE_CANCEL_GRACE": "30",
+            "OMP_NUM_THREADS": "1",
+        }
+        self.settings = Settings(home=home, database_url=database_url, broker_url=broker_url, artifacts=artifacts,
+                                 heartbeat_interval=1, heartbeat_timeout=HEARTBEAT_TIMEOUT, cancel_grace=30)  # fmt: skip
+        self.engine = engine_for(database_url)
+        self.app = create_app(self.settings, CeleryDispatcher(self.settings, self.engine))
+        token = create_token(self.engine, "workers-test")
+        self.client = TestClient(self.app, headers={"Authorization": f"Bearer {token}"})
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def start_worker(self, name: str) -> subprocess.Popen:
+        log = Path(self.settings.home) / f"{name}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "worker", "--name", name, "--loglevel", "INFO"],
+            env=self.env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.workers[name], self.logs[name] = proc, log
+        self.wait(lambda: any(w["name"] == name for w in self.health()["workers"]), 60, f"worker {name} to register")
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.workers.values():
+            try:
+                proc.wait(timeout=45)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def health(self) -> dict:
+        return self.client.get(API + "/health").json()
+
+    def submit(self, **changes) -> str:
+        response = self.client.post(API + "/runs", json=run_config(**changes))
+        assert response.status_code == 201, response.text
+        return response.json()["id"]
+
+    def run(self, run_id: str) -> dict:
+        return self.client.get(f"{API}/runs/{run_id}").json()
+
+    def wait(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.2)
+        logs = "\n".join(f"--- {n}\n{p.read_text()[-3000:]}" for n, p in self.logs.items() if p.exists())
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+
+    def wait_status(self, run_id: str, statuses: tuple[str, ...], timeout: float = 240) -> dict:
+        return self.wait(
+            lambda: (r := self.run(run_id))["status"] in statuses and r, timeout, f"run {run_id} -> {statuses}"
+        )
+
+    def wait_step(self, run_id: str, step: int, timeout: float = 240) -> dict:
+        return self.wait(
+            lambda: (r := self.run(run_id))["progress"]["step"] >= step and r, timeout, f"run {run_id} step {step}"
+        )
+
+    def count(self, model, *where) -> int:
+        with Session(self.engine) as session:
+            return session.execute(select(func.count()).select_from(model).where(*where)).scalar_one()
+
+    def events(self, run_id: str) -> list[str]:
+        with Session(self.engine) as session:
+            return list(session.scalars(select(Event.message).where(Event.run_id == run_id).order_by(Event.id)))
+
+
+def run_config(max_steps: int = 4, delay: float = 0.0, rewards: list | None = None, **changes) -> dict:
+    config = {
+        "name": "worker-test",
+        "model": {"path": "tiny:qwen2-vl", "dtype": "float32"},
+        "dataset": {"source": "synth:count-red", "rows": 24, "min_images": 0, "max_images": 3},
+        "rewards": rewards or [{"name": "numeric"}, {"name": "tests.rewards_for_tests:sleepy", "args": {"delay": delay}}],
+        "train": {"max_steps": max_steps, "per_device_train_batch_size": 8, "num_generations": 4,
+                  "max_completion_length": 6, "max_prompt_length": 256, "learning_rate": 1e-3, "save_steps": 2},
+        "resources": {"gpus": 0},
+    }  # fmt: skip
+    config.update(changes)
+    return config
+
+
+@pytest.fixture
+def cluster(migrated_postgres_url, redis_server, shared_home, tmp_path):
+    from .conftest import _truncate
+
+    _truncate(migrated_postgres_url)
+    c = Cluster(migrated_postgres_url, redis_server.url, shared_home, tmp_path / "artifacts")
+    yield c
+    c.stop_all()
+
+
+def _metric_steps(cluster: Cluster, run_id: str) -> list[int]:
+    with Session(cluster.engine) as session:
+        return list(session.scalars(
+            select(Metric.step).where(Metric.run_id == run_id, Metric.key == "reward").order_by(Metric.step)
+        ))  # fmt: skip
+
+
+def test_a_run_submitted_over_rest_trains_to_the_end_with_everything_stored(cluster):
+    cluster.start_worker("w1")
+    run_id = cluster.submit(max_steps=4)
+    run = cluster.wait_status(run_id, ("succeeded", "failed"))
+    assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
+    assert run["progress"] == {"step": 4, "max_steps": 4}
+    assert _metric_steps(cluster, run_id) == [1, 2, 3, 4]  # every step once
+    metrics = cluster.client.get(f"{API}/runs/{run_id}/metrics", params={"keys": "reward,loss"}).json()
+    assert [p[0] for p in metrics["loss"]] == [1, 2, 3, 4]
+    samples = cluster.client.get(f"{API}/runs/{run_id}/samples", params={"limit": 500}).json()["items"]
+    assert len(samples) == 4 * 8 and {s["num_images"] for s in samples} >= {0}
+    with_images = [s for s in samples if s["images"]]
+    assert with_images, "mixed 0..3-image data reaches the rollout table"
+    image = cluster.client.get(with_images[0]["images"][0]["url"])
+    assert image.status_code == 200 and image.headers["content-type"] == "image/png"
+    assert cluster.count(Checkpoint, Checkpoint.run_id == run_id) >= 2
+    messages = cluster.events(run_id)
+    assert messages[0] == "queued" and any(m.startswith("status: running on w1") for m in messages)
+    assert messages[-1] == "succeeded at step 4"
+    health = cluster.health()
+    assert health["ok"] and [w["name"] for w in health["workers"]] == ["w1"]
+
+
+def test_two_workers_five_runs_each_runs_exactly_once(cluster):
+    cluster.start_worker("wa")
+    cluster.start_worker("wb")
+    ids = [cluster.submit(max_steps=2, name=f"r{i}") for i in range(5)]
+    # a duplicate delivery of a queued message must be a no-op: send every run's message twice
+    for run_id in ids:
+        cluster.app.state.dispatcher.submit(run_id, "default")
+    for run_id in ids:
+        assert cluster.wait_status(run_id, ("succeeded", "failed"), timeout=300)["status"] == "succeeded"
+    for run_id in ids:
+        starts = [m for m in cluster.events(run_id) if m.startswith("status: running on")]
+        assert len(starts) == 1, (run_id, starts)
+        assert _metric_steps(cluster, run_id) == [1, 2]
+    used = {cluster.run(r)["worker"] for r in ids}
+    assert used <= {"wa", "wb"}
+
+
+def test_cancel_a_running_run_ends_cancelled_with_a_checkpoint(cluster):
+    cluster.start_worker("w1")
+    run_id = cluster.submit(max_steps=40, delay=0.4)
+    cluster.wait_step(run_id, 1)
+    response = cluster.client.post(f"{API}/runs/{run_id}/cancel")
+    assert response.status_code == 200 and response.json()["status"] == "cancelling"
+    run = cluster.wait_status(run_id, ("cancelled", "failed", "succeeded"), timeout=120)
+    assert run["status"] == "cancelled", cluster.events(run_id)
+    assert run["progress"]["step"] < 40
+    assert cluster.count(Checkpoint, Checkpoint.run_id == run_id) >= 1
+    with Session(cluster.engine) as session:
+        last = session.scalars(
+            select(Checkpoint.step).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step.desc())
+        ).first()
+    assert last == run["progress"]["step"]  # the checkpoint is of the step it stopped at
+
+
+@pytest.mark.parametrize("victim", ["worker", "training child"])
+def test_a_killed_worker_or_child_fails_the_run_and_resume_completes_it(cluster, victim):
+    worker = cluster.start_worker("w1")
+    run_id = cluster.submit(max_steps=8, delay=0.4)
+    cluster.wait_step(run_id, 3)
+    if victim == "worker":
+        worker.send_signal(signal.SIGKILL)
+        cluster.start_worker("w2")  # its reaper (and the next runs) take over
+    else:
+        child = subprocess.run(["pgrep", "-f", f"worker.child {run_id}"], capture_output=True, text=True).stdout.split()
+        assert child, "the training child runs in its own process"
+        os.kill(int(child[0]), signal.SIGKILL)
+    killed_at = time.monotonic()
+    run = cluster.wait_status(run_id, ("failed",), timeout=HEARTBEAT_TIMEOUT + 30)
+    assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT + 15
+    assert run["error"]
+    if victim == "worker":
+        assert "no heartbeat" in run["error"]
+        assert not subprocess.run(["pgrep", "-f", f"worker.child {run_id}"], capture_output=True).stdout, "no orphan"
+    else:
+        assert "killed by signal SIGKILL" in run["error"]
+    reached = run["progress"]["step"]
+    response = cluster.client.post(f"{API}/runs/{run_id}/resume")
+    assert response.status_code == 200 and response.json()["attempt"] == 2
+    run = cluster.wait_status(run_id, ("succeeded", "failed"), timeout=240)
+    assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
+    assert _metric_steps(cluster, run_id) == list(range(1, 9))  # history intact, no step twice
+    assert any("resumed from checkpoint at step" in m for m in cluster.events(run_id)), reached
+    with Session(cluster.engine) as session:
+        per_step = session.execute(
+            select(Sample.step, func.count()).where(Sample.run_id == run_id).group_by(Sample.step)
+        ).all()
+    assert sorted(per_step) == [(s, 8) for s in range(1, 9)]
+
+
+def test_redis_down_for_a_few_seconds_mid_run_loses_nothing(cluster, redis_server):
+    cluster.start_worker("w1")
+    run_id = cluster.submit(max_steps=8, delay=0.3)
+    cluster.wait_step(run_id, 2)
+    redis_server.stop()
+    time.sleep(4)
+    redis_server.start()
+    run = cluster.wait_status(run_id, ("succeeded", "failed"), timeout=240)
+    assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
+    assert _metric_steps(cluster, run_id) == list(range(1, 9))
+    assert cluster.count(Sample, Sample.run_id == run_id) == 8 * 8
+    # the worker is still connected and takes the next run
+    after = cluster.submit(max_steps=1)
+    assert cluster.wait_status(after, ("succeeded", "failed"), timeout=240)["status"] == "succeeded"
+
+
+def test_a_failing_reward_fails_the_run_and_the_worker_takes_the_next(cluster):
+    cluster.start_worker("w1")
+    bad = cluster.submit(max_steps=3, rewards=[{"name": "tests.rewards_for_tests:always_fails"}])
+    good = cluster.submit(max_steps=1)
+    run = cluster.wait_status(bad, ("failed", "succeeded"))
+    assert run["status"] == "failed" and "always_fails" in run["error"]
+    with Session(cluster.engine) as session:
+        errors = list(session.scalars(select(Event.message).where(Event.run_id == bad, Event.level == "error")))
+    assert any("Traceback" in m and "ValueError: this reward always fails" in m for m in errors)
+    assert cluster.wait_status(good, ("succeeded", "failed"))["status"] == "succeeded"
+
+
+def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
+    """`collage serve` on a fresh COLLAGE_HOME: SQLite store, SQLite broker, one embedded worker; a run
+    submitted with `collage submit --follow` trains to the end; Ctrl-C stops everything."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLLAGE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    for key in ("COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS"):
+        env.pop(key, None)
+    log = tmp_path / "serve.log"
+    serve = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env, cwd=ROOT,
+                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                body = httpx.get(f"http://127.0.0.1:{port}{API}/health", timeout=2).json()
+                if body["ok"] and body["workers"]:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"collage serve did not come up:\n{log.read_text()[-3000:]}")
+        printed = log.read_text()
+        assert f"http://127.0.0.1:{port}" in printed and "login link:" in printed and "API token:" in printed
+        assert body["store"]["dialect"] == "sqlite" and body["broker"]["url"].startswith("sqla+sqlite:///")
+        cfg = tmp_path / "run.yaml"
+        import yaml
+
+        cfg.write_text(yaml.safe_dump(run_config(max_steps=3)))
+        submitted = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "app.cli", "submit", str(cfg), "--server", f"http://127.0.0.1:{port}", "--follow"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr + log.read_text()[-3000:]
+        assert "succeeded" in done.stdout.splitlines()[-1]
+        assert time.monotonic() - submitted < 240
+        failing = cfg.with_name("bad.yaml")
+        failing.write_text(
+            yaml.safe_dump(run_config(max_steps=2, rewards=[{"name": "tests.rewards_for_tests:always_fails"}]))
+        )
+        bad = subprocess.run(
+            [sys.executable, "-m", "app.cli", "submit", str(failing), "--server", f"http://127.0.0.1:{port}", "--follow"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert bad.returncode == 1 and "failed" in bad.stdout
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            raise
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "home")], capture_output=True, text=True).stdout
+    assert serve.returncode == 0 and not leftovers.strip(), log.read_text()[-2000:]
+
+
+def test_enqueue_to_start_is_well_under_a_second_on_the_embedded_broker(tmp_path):
+    """The claim happens within a second of the submit (the training itself then needs its imports)."""
+    from datetime import timedelta
+
+    from app.db import engine_for, upgrade
+
+    home = tmp_path / "home"
+    url = f"sqlite:///{home / 'collage.db'}"
+    upgrade(url)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLLAGE_HOME": str(home), "COLLAGE_DATABASE_URL": url}
+    env.pop("COLLAGE_BROKER_URL", None)
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+    from app.store.tokens import create_token
+    from worker.dispatcher import CeleryDispatcher
+
+    settings = Settings(
+        home=home, database_url=url, broker_url=f"sqla+sqlite:///{home / 'broker.db'}", artifacts=home / "a"
+    )
+    engine = engine_for(url)
+    app = create_app(settings, CeleryDispatcher(settings, engine))
+    client = TestClient(app, headers={"Authorization": f"Bearer {create_token(engine, 't')}"})
+    worker = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--name", "embedded"], env=env, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not client.get(API + "/health").json()["workers"]:
+            assert time.monotonic() < deadline, "worker did not register"
+            time.sleep(0.2)
+        time.sleep(1)  # let it reach its polling loop
+        run_id = client.post(API + "/runs", json=run_config(max_steps=1)).json()["id"]
+        with Session(engine) as session:
+            created = session.get(Run, run_id).created_at
+        deadline = time.monotonic() + 30
+        while True:
+            with Session(engine) as session:
+                run = session.get(Run, run_id)
+            if run.started_at is not None:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert run.started_at - created < timedelta(seconds=1), run.started_at - created
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            worker.kill()

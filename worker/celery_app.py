@@ -1,0 +1,47 @@
+"""The Celery app, configured from ``COLLAGE_BROKER_URL`` (Redis in production, SQLite embedded).
+
+Long GPU tasks, done the way Celery's docs advise: one task at a time per worker (prefetch 1, one process per
+GPU slot), late acknowledgement so a lost worker's message is redelivered, and a run-level claim in the
+database (``worker.tasks``) so a redelivered message never starts the same run twice.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from app.settings import Settings, get_settings
+
+from .broker import celery_broker_url
+
+TASK_NAME = "collage.run"
+
+
+def make_celery(settings: Settings | None = None) -> Celery:
+    settings = settings or get_settings()
+    if settings.broker_url.startswith("sqla+sqlite:///"):
+        settings.home.mkdir(parents=True, exist_ok=True)
+    app = Celery("collage", broker=celery_broker_url(settings.broker_url), include=["worker.tasks"])
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=1,
+        task_default_queue="default",
+        task_serializer="json",
+        accept_content=["json"],
+        result_backend=None,
+        task_ignore_result=True,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # keep reconnecting through a broker outage
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+    )
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        # a message not acknowledged within this time is handed out again; the run claim makes that harmless.
+        # (Only for Redis: kombu's SQLAlchemy transport would pass any option on to create_engine.)
+        app.conf.broker_transport_options = {"visibility_timeout": 6 * 3600}
+    return app
+
+
+celery_app = make_celery()

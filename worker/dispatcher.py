@@ -1,0 +1,42 @@
+"""The API's dispatcher on Celery: queue a run, forward cancellation, report broker and workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from app.settings import Settings
+
+from .celery_app import TASK_NAME, make_celery
+from .registry import live_workers
+
+
+class CeleryDispatcher:
+    def __init__(self, settings: Settings, engine: Engine):
+        self.settings = settings
+        self.engine = engine
+        self.celery = make_celery(settings)
+
+    def submit(self, run_id: str, queue: str) -> None:
+        # retry publishing through a short broker outage; past that the API marks the run failed (503)
+        self.celery.send_task(
+            TASK_NAME, args=[run_id], queue=queue, retry=True,
+            retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
+        )  # fmt: skip
+
+    def cancel(self, run_id: str) -> None:
+        """Nothing to send: the run's status is now ``cancelling`` in the store, which its training process
+        polls every step and its supervisor every half second (killing it after the grace period)."""
+
+    def health(self) -> dict[str, Any]:
+        url = self.settings.broker_url
+        safe = url.split("@")[-1] if "@" in url else url
+        try:
+            with self.celery.connection_for_write() as connection:
+                connection.ensure_connection(max_retries=1, timeout=2)
+            broker = {"ok": True, "url": safe}
+        except Exception as exc:  # noqa: BLE001
+            broker = {"ok": False, "url": safe, "error": f"{type(exc).__name__}: {exc}"}
+        workers = live_workers(self.engine, within=3 * self.settings.heartbeat_interval + 5)
+        return {"broker": broker, "workers": workers}

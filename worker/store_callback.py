@@ -1,0 +1,103 @@
+"""The training callback that writes a run into the store and polls for cancellation."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from app.db import session_scope
+from app.models import Checkpoint, Metric, Run, Sample, SampleImage, utcnow
+from app.store.writer import ImageIn, SampleIn, StoreWriter
+from training.callbacks import Callback, RolloutRow
+
+
+def _sample_in(row: RolloutRow) -> SampleIn:
+    return SampleIn(
+        group=row.group,
+        index=row.index,
+        prompt=row.prompt,
+        completion=row.completion,
+        images=[ImageIn(png=im.png, sha256=im.sha256) for im in row.images],
+        rewards=row.rewards,
+        reward=row.reward,
+        advantage=row.advantage,
+        completion_length=row.completion_length,
+        truncated=row.truncated,
+        group_mean=row.group_mean,
+        group_std=row.group_std,
+        dataset_row=row.row,
+    )
+
+
+class StoreCallback(Callback):
+    def __init__(self, engine: Engine, writer: StoreWriter, run_id: str, heartbeat_every: float = 5.0):
+        self.engine = engine
+        self.writer = writer
+        self.run_id = run_id
+        self.heartbeat_every = heartbeat_every
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.final: tuple[str, str | None] | None = None
+
+    def _beat(self) -> None:
+        # a long step (or a slow first model load) must not look like a dead worker
+        while not self._stop.wait(self.heartbeat_every):
+            try:
+                self.writer.heartbeat(self.run_id)
+            except Exception:  # noqa: BLE001 - a missed beat is retried; the reaper tolerates a few
+                pass
+
+    def start_heartbeat(self) -> None:
+        if self._thread is None:
+            self.writer.heartbeat(self.run_id)
+            self._thread = threading.Thread(target=self._beat, name="collage-heartbeat", daemon=True)
+            self._thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+
+    def on_start(self, config, resumed_from_step: int) -> None:
+        # whatever an earlier attempt wrote after the checkpoint we continue from is rewritten by this one
+        with session_scope(self.engine) as session:
+            ids = select(Sample.id).where(Sample.run_id == self.run_id, Sample.step > resumed_from_step)
+            session.execute(delete(SampleImage).where(SampleImage.sample_id.in_(ids)))
+            session.execute(delete(Sample).where(Sample.run_id == self.run_id, Sample.step > resumed_from_step))
+            session.execute(delete(Metric).where(Metric.run_id == self.run_id, Metric.step > resumed_from_step))
+            session.execute(
+                delete(Checkpoint).where(Checkpoint.run_id == self.run_id, Checkpoint.step > resumed_from_step)
+            )
+            session.execute(
+                update(Run)
+                .where(Run.id == self.run_id)
+                .values(step=resumed_from_step, max_steps=config.train.max_steps)
+            )
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.writer.append_metrics(self.run_id, step, metrics)
+
+    def on_samples(self, step: int, rows: Sequence[RolloutRow]) -> None:
+        self.writer.append_samples(self.run_id, step, [_sample_in(r) for r in rows])
+
+    def on_event(self, level: str, message: str) -> None:
+        self.writer.add_event(self.run_id, level, message)
+
+    def on_progress(self, step: int, max_steps: int, seconds_per_step: float | None) -> None:
+        with session_scope(self.engine) as session:
+            session.execute(
+                update(Run).where(Run.id == self.run_id).values(step=step, updated_at=utcnow(), heartbeat_at=utcnow())
+            )
+
+    def on_checkpoint(self, step: int, path: str) -> None:
+        self.writer.add_checkpoint(self.run_id, step, path)
+
+    def should_stop(self) -> bool:
+        with Session(self.engine) as session:
+            status = session.execute(select(Run.status).where(Run.id == self.run_id)).scalar_one_or_none()
+        return status in ("cancelling", "cancelled", None)
+
+    def on_end(self, status: str, error: str | None = None) -> None:
+        self.final = (status, error)

@@ -1,0 +1,33 @@
+"""The Celery task: one run, idempotent (the store claim decides whether this delivery does anything)."""
+
+from __future__ import annotations
+
+import logging
+
+from app.db import engine_for
+from app.settings import get_settings
+from app.store.writer import StoreWriter
+
+from .celery_app import TASK_NAME, celery_app
+from .supervisor import Slot, supervise
+
+log = logging.getLogger("collage.worker")
+
+# set by `collage worker` in the worker process before it consumes anything
+SLOT = Slot(gpus=[])
+REGISTRATION = None
+
+
+@celery_app.task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_training(run_id: str) -> str | None:
+    settings = get_settings()
+    engine = engine_for(settings.database_url)
+    writer = StoreWriter(engine, settings.artifacts)
+    worker = REGISTRATION.name if REGISTRATION is not None else "worker"
+    if REGISTRATION is not None:
+        REGISTRATION.set_run(run_id)
+    try:
+        return supervise(engine, writer, run_id, worker, SLOT, cancel_grace=settings.cancel_grace)
+    finally:
+        if REGISTRATION is not None:
+            REGISTRATION.set_run(None)
