@@ -129,7 +129,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     gpus = [int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else []
     queues = [q for q in args.queues.split(",") if q]
-    run_worker(queues, gpus, name=args.name, loglevel=args.loglevel)
+    run_worker(queues, gpus, name=args.name, loglevel="WARNING" if args.quiet else args.loglevel, quiet=args.quiet)
     return 0
 
 
@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--gpus", default="", help="the GPUs of this worker's slot, e.g. 0 or 0,1 (none: CPU)")
     worker.add_argument("--name", help="worker name (default collage-<host>-<pid>)")
     worker.add_argument("--loglevel", default="INFO")
+    worker.add_argument("--quiet", action="store_true", help="no banner, warnings and errors only")
     worker.set_defaults(func=_cmd_worker)
 
     submit = commands.add_parser("submit", help="submit a run config to a Collage server")

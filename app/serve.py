@@ -47,7 +47,9 @@ def serve(host: str, port: int, workers: int) -> int:
     token = ensure_token(engine, settings.home)
     app = create_app(settings, CeleryDispatcher(settings, engine))
     children = [
-        subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--name", f"embedded-{i + 1}-{os.getpid()}"])
+        subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "worker", "--quiet", "--name", f"embedded-{i + 1}-{os.getpid()}"]
+        )
         for i in range(workers)
     ]
     reaper = Reaper(engine, settings.heartbeat_timeout)

@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# The main job, from a fresh machine: set up, check the synthetic multi-image dataset against the tiny model,
-# then train the GRPO example (tiny Qwen2-VL on count-red, CPU, about a minute). Output: out/demo/ (replaced
-# on every run).
+# The main job, from a fresh machine: set up, start `collage serve` (web app, API, one embedded worker; SQLite
+# store and broker in out/demo-home) and submit the GRPO demo run (tiny Qwen2-VL on synthetic multi-image
+# count-red, CPU). The run is training within a minute; its progress shows here until it ends; the server keeps
+# running for you to explore until Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
+export COLLAGE_HOME=${COLLAGE_HOME:-$PWD/out/demo-home}
+PORT=${PORT:-8000}
 
-demo=out/demo
-rm -rf "$demo"
-mkdir -p "$demo"
-.venv/bin/collage data check synth:count-red --model tiny:qwen2-vl --max-prompt-length 256
-.venv/bin/collage train examples/grpo-count-red.yaml --out "$demo/grpo-count-red"
-.venv/bin/python - "$demo/grpo-count-red" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
-first = sum(r["reward"] for r in rows[:5]) / 5
-last = sum(r["reward"] for r in rows[-5:]) / 5
-print(f"mean reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f}")
-PY
+.venv/bin/collage serve --port "$PORT" &
+SERVER=$!
+trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+for _ in $(seq 1 120); do
+  curl -fsS "http://127.0.0.1:$PORT/api/v1/health" >/dev/null 2>&1 && break
+  sleep 0.5
+done
+.venv/bin/collage submit examples/grpo-count-red.yaml --server "http://127.0.0.1:$PORT" --follow || true
 echo
-echo "Run output: $demo/grpo-count-red/ (config.yaml, metrics.jsonl, samples.jsonl, images/, checkpoints/)"
+echo "The server is still running: http://127.0.0.1:$PORT (API docs at /api/v1/docs, token in $COLLAGE_HOME/token)."
+echo "Runs, metrics and rollouts are in $COLLAGE_HOME. Ctrl-C to stop."
+wait $SERVER

@@ -15,7 +15,9 @@ from app.settings import get_settings
 log = logging.getLogger("collage.worker")
 
 
-def run_worker(queues: list[str], gpus: list[int], name: str | None = None, loglevel: str = "INFO") -> None:
+def run_worker(
+    queues: list[str], gpus: list[int], name: str | None = None, loglevel: str = "INFO", quiet: bool = False
+) -> None:
     settings = get_settings()
     engine = engine_for(settings.database_url)
     check_migrated(engine)
@@ -58,6 +60,7 @@ def run_worker(queues: list[str], gpus: list[int], name: str | None = None, logl
         celery_app.worker_main(
             ["worker", "--pool", "solo", "--concurrency", "1", "--queues", ",".join(queues), "--hostname", name,
              "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat"]
+            + (["--quiet"] if quiet else [])
         )  # fmt: skip
     finally:
         reaper.stop()
