@@ -29,7 +29,7 @@ def test_services_and_healthchecks():
 def test_the_environment_names_match_the_settings():
     settings_source = (ROOT / "app" / "settings.py").read_text()
     read = set(re.findall(r'"(COLLAGE_[A-Z_]+)"', settings_source))
-    assert SETTINGS_ENV == read, "the list above must follow app/settings.py"
+    assert read == SETTINGS_ENV, "the list above must follow app/settings.py"
     services = compose()["services"]
     for name in ("web", "worker-gpu0"):
         env = services[name]["environment"]

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlmodel import Session
 
-from app.models import Checkpoint, Event, Metric, Run, Sample
+from app.models import Checkpoint, Event, Metric, Sample
 
 from .conftest import require_service
 
