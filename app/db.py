@@ -44,10 +44,21 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA busy_timeout=30000")
+            # keep the planner's statistics fresh (bounded work): without them SQLite may pick a worse index
+            cursor.execute("PRAGMA analysis_limit=1000")
+            cursor.execute("PRAGMA optimize=0x10002")
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # psycopg prepares repeated statements; a generic plan would use the trigram index even for very common
+    # search terms (measured: 0.9 ms -> 157 ms), so plan every execution for its parameters
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=10,
+        max_overflow=20,
+        connect_args={"options": "-c plan_cache_mode=force_custom_plan"},
+    )
 
 
 @lru_cache(maxsize=8)

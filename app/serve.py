@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,12 +47,8 @@ def serve(host: str, port: int, workers: int) -> int:
     engine = engine_for(settings.database_url)
     token = ensure_token(engine, settings.home)
     app = create_app(settings, CeleryDispatcher(settings, engine))
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "worker", "--quiet", "--name", f"embedded-{i + 1}-{os.getpid()}"]
-        )
-        for i in range(workers)
-    ]
+    pool = WorkerPool(workers)
+    pool.start()
     reaper = Reaper(engine, settings.heartbeat_timeout)
     reaper.start()
     base = f"http://{host}:{port}"
@@ -67,8 +64,47 @@ def serve(host: str, port: int, workers: int) -> int:
     finally:
         print("stopping: workers checkpoint their runs and exit", flush=True)
         reaper.stop()
-        _stop(children, settings.cancel_grace + 10)
+        pool.stop(settings.cancel_grace + 10)
     return 0
+
+
+class WorkerPool(threading.Thread):
+    """The embedded workers; one that dies is reported and restarted (at most 5 times a minute)."""
+
+    def __init__(self, count: int):
+        super().__init__(name="collage-workers", daemon=True)
+        self.names = [f"embedded-{i + 1}-{os.getpid()}" for i in range(count)]
+        self.children: dict[str, subprocess.Popen] = {}
+        self.restarts: list[float] = []
+        self.stopping = threading.Event()
+
+    def _spawn(self, name: str) -> None:
+        self.children[name] = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--quiet", "--name", name])
+
+    def start(self) -> None:
+        for name in self.names:
+            self._spawn(name)
+        super().start()
+
+    def run(self) -> None:
+        while not self.stopping.wait(2):
+            for name, child in list(self.children.items()):
+                code = child.poll()
+                if code is None or self.stopping.is_set():
+                    continue
+                now = time.monotonic()
+                self.restarts = [t for t in self.restarts if now - t < 60]
+                if len(self.restarts) >= 5:
+                    print(f"error: embedded worker {name} keeps exiting (code {code}); not restarting it", flush=True)
+                    del self.children[name]
+                    continue
+                print(f"warning: embedded worker {name} exited with code {code}; restarting it", flush=True)
+                self.restarts.append(now)
+                self._spawn(name)
+
+    def stop(self, grace: float) -> None:
+        self.stopping.set()
+        _stop(list(self.children.values()), grace)
 
 
 def _stop(children: list[subprocess.Popen], grace: float) -> None:

@@ -75,6 +75,8 @@ def _follow(client: httpx.Client, run_id: str) -> int:
     ) as progress:  # fmt: skip
         task = progress.add_task("run", total=None, status=status, reward="-")
         last_print = None
+        queued_since = time.monotonic()
+        warned = False
         while True:
             try:
                 run = client.get(f"/runs/{run_id}").json()
@@ -103,6 +105,13 @@ def _follow(client: httpx.Client, run_id: str) -> int:
                 last_print = line
             if status in ENDED:
                 break
+            if status == "queued" and not warned and time.monotonic() - queued_since > 15:
+                queue = (run.get("config") or {}).get("resources", {}).get("queue", "default")
+                workers = client.get("/health").json().get("workers", [])
+                if not any(queue in w["queues"] for w in workers):
+                    progress.console.print(f"[warning] no live worker takes runs from queue {queue!r}: start one with "
+                                           f"`collage worker --queues {queue}`")  # fmt: skip
+                warned = True
             time.sleep(1)
     print(f"run {run_id} {status}" + (f": {run['error'].splitlines()[-1]}" if run.get("error") else ""))
     return 0 if status == "succeeded" else 1

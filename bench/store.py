@@ -189,11 +189,11 @@ def create_runs(store: Store, writer: StoreWriter, pools: Pools, runs: int, step
         conn.execute(insert(Image.__table__), pools.images)
 
 
-def fill(store: Store, args: argparse.Namespace) -> None:
+def fill(store: Store, args: argparse.Namespace, artifacts: Path) -> None:
     rng = random.Random(args.seed)
     pools = make_pools(rng)
     engine = engine_for(store.url)
-    writer = StoreWriter(engine, Path(tempfile.gettempdir()) / "collage-bench-artifacts")
+    writer = StoreWriter(engine, artifacts)
     per_run = args.rows // args.runs
     store.steps = math.ceil(per_run / args.rows_per_step)
     started = time.perf_counter()
@@ -406,7 +406,7 @@ def bench(kind: str, args: argparse.Namespace) -> tuple[Store, list[tuple[str, f
             upgrade(url)
             store = Store(kind, url)
             print(f"{kind}: filling {args.rows:,} rows over {args.runs} runs ...", file=sys.stderr, flush=True)
-            fill(store, args)
+            fill(store, args, home / "artifacts")
             fills = ", ".join(f"{k} {v:.0f} s" for k, v in store.fill_s.items())
             print(f"{kind}: filled ({fills})", file=sys.stderr, flush=True)
             return store, measure(store, args, home)

@@ -560,7 +560,7 @@ def test_db_upgrade_and_token_create_cli(tmp_path):
     early = run("token", "create", "me")
     assert early.returncode == 2 and "collage db upgrade" in early.stderr
     up = run("db", "upgrade")
-    assert up.returncode == 0 and "is at migration 0002" in up.stdout
+    assert up.returncode == 0 and "is at migration 0003" in up.stdout
     assert run("db", "upgrade").returncode == 0  # idempotent
     made = run("token", "create", "me")
     assert made.returncode == 0 and made.stdout.strip().startswith("clg_") and "shown only this once" in made.stderr
@@ -589,3 +589,16 @@ def test_out_of_range_numbers_are_422_not_500(api):
         API + "/runs", content=b'{"train": {"learning_rate": NaN}}', headers={"Content-Type": "application/json"}
     )
     assert nan.status_code == 422
+
+
+def test_text_search_is_indexed_on_postgresql(api):
+    client, _, _, app = api
+    if app.state.engine.dialect.name != "postgresql":
+        pytest.skip("trigram indexes are PostgreSQL-only (SQLite scans one run's rows)")
+    from sqlalchemy import text
+
+    with app.state.engine.connect() as conn:
+        names = set(conn.execute(text("SELECT indexname FROM pg_indexes WHERE tablename = 'samples'")).scalars())
+        mode = conn.execute(text("SHOW plan_cache_mode")).scalar_one()
+    assert {"ix_samples_completion_trgm", "ix_samples_prompt_text_trgm"} <= names
+    assert mode == "force_custom_plan"

@@ -379,3 +379,19 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
             raise
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "home")], capture_output=True, text=True).stdout
     assert serve.returncode == 0 and not leftovers.strip(), log.read_text()[-2000:]
+
+
+def test_runs_go_to_the_queue_their_config_names(cluster):
+    cluster.start_worker("w-default")
+    run_id = cluster.submit(max_steps=1, resources={"gpus": 0, "queue": "special"})
+    time.sleep(3)
+    assert cluster.run(run_id)["status"] == "queued"  # no worker takes runs from that queue yet
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "worker", "--name", "w-special", "--queues", "special"],
+        env=cluster.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    cluster.workers["w-special"] = proc
+    run = cluster.wait_status(run_id, ("succeeded", "failed"))
+    assert run["status"] == "succeeded" and run["worker"] == "w-special"
+    health = {w["name"]: w for w in cluster.health()["workers"]}
+    assert health["w-special"]["queues"] == ["special"] and health["w-default"]["queues"] == ["default"]

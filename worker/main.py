@@ -58,9 +58,9 @@ def run_worker(
     log.info("worker %s: queues %s, GPU slot %s", name, ",".join(queues), gpus or "CPU")
     try:
         celery_app.worker_main(
-            ["worker", "--pool", "solo", "--concurrency", "1", "--queues", ",".join(queues), "--hostname", name,
-             "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat"]
-            + (["--quiet"] if quiet else [])
+            (["--quiet"] if quiet else [])  # a global option of Celery's command line: before "worker"
+            + ["worker", "--pool", "solo", "--concurrency", "1", "--queues", ",".join(queues), "--hostname", name,
+               "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat"]
         )  # fmt: skip
     finally:
         reaper.stop()
