@@ -13,7 +13,8 @@ COPY training ./training
 COPY templates ./templates
 COPY migrations ./migrations
 COPY examples ./examples
-RUN pip install --no-cache-dir .
+# editable: templates/, migrations/ and app/static/ are read from this folder
+RUN pip install --no-cache-dir -e .
 
 RUN useradd --create-home --uid 1000 collage && mkdir -p /data && chown collage /data
 USER collage

@@ -72,6 +72,19 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     app.state.dispatcher = dispatcher
     Path(settings.artifacts).mkdir(parents=True, exist_ok=True)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    from starlette.middleware.sessions import SessionMiddleware
+    from starlette.staticfiles import StaticFiles
+
+    from .web.session import SESSION_COOKIE, session_secret
+
+    app.add_middleware(
+        SessionMiddleware,
+        secret_key=session_secret(Path(settings.home)),
+        session_cookie=SESSION_COOKIE,
+        max_age=14 * 24 * 3600,
+        same_site="lax",
+    )
+    app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -85,4 +98,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
 
     for router in (health.router, runs.router, samples.router, images.router, datasets.router, catalog.router):
         app.include_router(router, prefix=API)
+    from .web import pages
+
+    app.include_router(pages.router)
     return app

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Makes sure the services the tests use are up: PostgreSQL (127.0.0.1:5432) and Redis (127.0.0.1:6379).
+# Makes sure the services the tests use are up: PostgreSQL (127.0.0.1:5432) and Redis (127.0.0.1:6379), and
+# that Chromium is installed for the browser tests.
 # Starts the machine's own instances when they are installed but down; installs nothing by itself unless
 # CI=true, where a missing service is installed from Debian's packages (tests must run there, not skip).
 set -uo pipefail
@@ -34,5 +35,10 @@ if ! redis_up; then
     for _ in $(seq 1 20); do redis_up && break; sleep 0.5; done
   fi
   redis_up && echo "services: started Redis" || echo "services: Redis is not running (its tests will skip outside CI)"
+fi
+# the dashboard's browser tests drive Debian's Chromium (Playwright's own browser download is not used)
+if ! [ -x "${COLLAGE_CHROMIUM:-/usr/bin/chromium}" ] && [ "${CI:-}" = "true" ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+    && echo "services: installed Chromium"
 fi
 exit 0

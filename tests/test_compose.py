@@ -66,4 +66,4 @@ def test_dockerfile_copies_every_package_and_installs_it():
     dockerfile = (ROOT / "Dockerfile").read_text()
     for folder in ("app", "worker", "training", "templates", "migrations"):
         assert f"COPY {folder} ./{folder}" in dockerfile
-    assert "pip install --no-cache-dir ." in dockerfile and 'CMD ["collage", "serve"' in dockerfile
+    assert "pip install --no-cache-dir -e ." in dockerfile and 'CMD ["collage", "serve"' in dockerfile

@@ -1,0 +1,147 @@
+// Shared helpers of the Collage pages. Everything from the server or a model is inserted as text
+// (textContent / attribute values), never as HTML: prompts and completions are untrusted.
+"use strict";
+
+const Collage = (() => {
+  const csrf = () => document.querySelector('meta[name="csrf-token"]').content;
+
+  async function api(path, { method = "GET", body, params } = {}) {
+    const url = new URL("/api/v1" + path, location.origin);
+    for (const [k, v] of Object.entries(params || {})) {
+      if (v !== undefined && v !== null && v !== "") url.searchParams.set(k, v);
+    }
+    const headers = { Accept: "application/json" };
+    if (method !== "GET") headers["X-CSRF-Token"] = csrf();
+    if (body !== undefined) headers["Content-Type"] = "application/json";
+    const response = await fetch(url, {
+      method, headers, credentials: "same-origin",
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    if (response.status === 401) { location.href = "/login?next=" + encodeURIComponent(location.pathname + location.search); }
+    const text = await response.text();
+    const data = text ? JSON.parse(text) : null;
+    if (!response.ok) { const err = new Error("HTTP " + response.status); err.status = response.status; err.body = data; throw err; }
+    return data;
+  }
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === undefined || v === null || v === false) continue;
+      if (k === "class") node.className = v;
+      else if (k === "text") node.textContent = v;
+      else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+      else node.setAttribute(k, v === true ? "" : v);
+    }
+    for (const child of children.flat()) {
+      if (child === null || child === undefined) continue;
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
+  const num = (x, digits = 3) => (x === null || x === undefined || Number.isNaN(x)) ? "–" : Number(x).toFixed(digits);
+
+  function when(iso) {
+    if (!iso) return "–";
+    const d = new Date(iso);
+    return d.toLocaleString(undefined, { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit" });
+  }
+
+  function duration(seconds) {
+    if (!Number.isFinite(seconds) || seconds < 0) return "–";
+    if (seconds < 90) return Math.round(seconds) + " s";
+    if (seconds < 5400) return Math.round(seconds / 60) + " min";
+    return (seconds / 3600).toFixed(1) + " h";
+  }
+
+  function timeLeft(run) {
+    const { step, max_steps } = run.progress;
+    if (!run.started_at || step <= 0 || step >= max_steps || !["running", "cancelling"].includes(run.status)) return null;
+    const elapsed = (Date.now() - new Date(run.started_at).getTime()) / 1000;
+    return elapsed / step * (max_steps - step);
+  }
+
+  function sparkline(points, width = 90, height = 22) {
+    const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+    svg.setAttribute("width", width); svg.setAttribute("height", height); svg.setAttribute("class", "spark");
+    const values = points.map(p => p[1]).filter(v => v !== null);
+    if (values.length < 2) return svg;
+    const lo = Math.min(...values), hi = Math.max(...values), span = hi - lo || 1;
+    const x0 = points[0][0], xs = (points[points.length - 1][0] - x0) || 1;
+    const path = points.filter(p => p[1] !== null)
+      .map(p => `${((p[0] - x0) / xs * (width - 2) + 1).toFixed(1)},${(height - 1 - (p[1] - lo) / span * (height - 2)).toFixed(1)}`)
+      .join(" ");
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    line.setAttribute("points", path);
+    svg.append(line);
+    return svg;
+  }
+
+  function toYaml(value, indent = "") {
+    if (value === null || value === undefined) return "null";
+    if (Array.isArray(value)) {
+      if (!value.length) return "[]";
+      if (value.every(v => typeof v !== "object" || v === null)) return "[" + value.map(v => toYaml(v)).join(", ") + "]";
+      return value.map(v => "\n" + indent + "- " + toYaml(v, indent + "  ").replace(/^\n\s*/, "")).join("");
+    }
+    if (typeof value === "object") {
+      const keys = Object.keys(value);
+      if (!keys.length) return "{}";
+      return keys.map(k => {
+        const v = value[k];
+        const rendered = toYaml(v, indent + "  ");
+        const block = typeof v === "object" && v !== null && Object.keys(v).length && !rendered.startsWith("[");
+        return "\n" + indent + k + ":" + (block ? rendered : " " + rendered);
+      }).join("");
+    }
+    if (typeof value === "string") return /^[\w.:\/-]+$/.test(value) && !/^(true|false|null|[\d.e+-]+)$/i.test(value) ? value : JSON.stringify(value);
+    return String(value);
+  }
+
+  function modal(content) {
+    const box = document.getElementById("modal");
+    const body = box.querySelector(".modal-content");
+    body.replaceChildren(content);
+    box.hidden = false;
+    const close = () => { box.hidden = true; body.replaceChildren(); };
+    box.querySelector(".close").onclick = close;
+    box.onclick = e => { if (e.target === box) close(); };
+    document.addEventListener("keydown", function esc(e) { if (e.key === "Escape") { close(); document.removeEventListener("keydown", esc); } });
+  }
+
+  const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f"];
+
+  // One small line chart per metric; `series` is [{label, points: [[step, value], ...]}].
+  function chart(container, title, series) {
+    const steps = [...new Set(series.flatMap(s => s.points.map(p => p[0])))].sort((a, b) => a - b);
+    const index = new Map(steps.map((s, i) => [s, i]));
+    const data = [steps, ...series.map(s => {
+      const ys = new Array(steps.length).fill(null);
+      for (const [x, y] of s.points) ys[index.get(x)] = y;
+      return ys;
+    })];
+    const box = el("div", { class: "chart", "data-metric": title }, el("h3", { text: title }));
+    container.append(box);
+    const opts = {
+      width: Math.max(280, Math.min(420, container.clientWidth / 2 - 24)), height: 170,
+      legend: { show: series.length > 1 }, cursor: { drag: { x: true, y: false } },
+      scales: { x: { time: false } },
+      series: [{ label: "step" }, ...series.map((s, i) => ({ label: s.label, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true }))],
+      axes: [{ size: 30 }, { size: 56, values: (u, vals) => vals.map(v => v === null ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-2) ? v.toExponential(1) : +v.toPrecision(3)) }],
+    };
+    const plot = new uPlot(opts, data, box);
+    return { plot, series, box };
+  }
+
+  function appendPoint(handle, step, value, seriesIndex = 0) {
+    const [xs, ...ys] = handle.plot.data;
+    const x = [...xs], y = ys.map(c => [...c]);
+    let i = x.indexOf(step);
+    if (i === -1) { x.push(step); y.forEach(c => c.push(null)); i = x.length - 1; }
+    y[seriesIndex][i] = value;
+    handle.plot.setData([x, ...y]);
+  }
+
+  return { api, el, num, when, duration, timeLeft, sparkline, toYaml, modal, chart, appendPoint, PALETTE };
+})();

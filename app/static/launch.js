@@ -1,0 +1,180 @@
+"use strict";
+// The launch form: builds the run config from the fields, previews and checks the dataset, shows every field
+// error the API returns next to its field. Launching goes through POST /api/v1/runs: the same validation.
+(() => {
+  const { api, el, toYaml } = Collage;
+  const form = document.getElementById("launch");
+  const rewardsBox = document.getElementById("rewards");
+  let rewardNames = [];
+
+  function algorithm() { return form.querySelector('input[name="algorithm"]:checked').value; }
+
+  function showAlgorithmFields() {
+    for (const field of form.querySelectorAll("[data-algorithm]")) field.hidden = field.dataset.algorithm !== algorithm();
+  }
+
+  function setPath(obj, path, value) {
+    const parts = path.split(".");
+    let node = obj;
+    for (const p of parts.slice(0, -1)) node = node[p] ??= {};
+    node[parts[parts.length - 1]] = value;
+  }
+
+  function read(input) {
+    const kind = input.dataset.kind || "text";
+    const raw = input.type === "checkbox" ? input.checked : input.value.trim();
+    if (kind === "bool") return input.checked;
+    if (kind === "list") return raw ? raw.split(",").map(s => s.trim()).filter(Boolean) : [];
+    if (raw === "") return kind.startsWith("optional") ? null : undefined;
+    if (kind.endsWith("int") || kind.endsWith("float")) { const n = Number(raw); return Number.isNaN(n) ? raw : n; }
+    return raw;
+  }
+
+  function config() {
+    const out = { algorithm: algorithm() };
+    for (const input of form.querySelectorAll("[name]")) {
+      const path = input.name;
+      if (path === "algorithm" || path.startsWith("reward.")) continue;
+      if (path.startsWith("model.lora.") && !document.getElementById("lora-on").checked) continue;
+      const field = input.closest("[data-algorithm]");
+      if (field && field.dataset.algorithm !== out.algorithm) continue;
+      const value = read(input);
+      if (value !== undefined) setPath(out, path, value);
+    }
+    if (!document.getElementById("lora-on").checked) setPath(out, "model.lora", null);
+    if (!out.name) delete out.name;
+    out.rewards = [...rewardsBox.querySelectorAll(".reward")].map(r => {
+      const entry = { name: r.querySelector('[name="reward.name"]').value.trim(), weight: Number(r.querySelector('[name="reward.weight"]').value) };
+      const mode = r.querySelector('[name="reward.on_images"]').value;
+      if (mode !== "error") entry.on_images_for_text_reward = mode;
+      return entry;
+    });
+    return out;
+  }
+
+  function addReward(name = "", weight = 1, mode = "error") {
+    const index = rewardsBox.children.length;
+    const row = el("div", { class: "reward field", "data-path": `rewards[${index}]` },
+      el("input", { name: "reward.name", list: "reward-options", value: name, placeholder: "built-in, package.module:function, or a reward-model folder", "aria-label": "reward name" }),
+      el("label", {}, "weight ", el("input", { name: "reward.weight", value: String(weight), size: 4, "aria-label": "reward weight" })),
+      el("label", {}, "images for a text reward model ", el("select", { name: "reward.on_images" }, el("option", { value: "error", text: "refuse" }), el("option", { value: "drop", text: "drop with a warning" }))),
+      el("button", { type: "button", class: "link", text: "remove", onclick: () => { row.remove(); renumber(); } }),
+      el("span", { class: "error", "data-error-for": `rewards[${index}].name` }),
+      el("span", { class: "error", "data-error-for": `rewards[${index}].weight` }));
+    row.querySelector("select").value = mode;
+    rewardsBox.append(row);
+  }
+
+  function renumber() {
+    [...rewardsBox.children].forEach((row, i) => {
+      row.dataset.path = `rewards[${i}]`;
+      const [n, w] = row.querySelectorAll(".error");
+      n.dataset.errorFor = `rewards[${i}].name`; w.dataset.errorFor = `rewards[${i}].weight`;
+    });
+  }
+
+  function clearErrors() {
+    for (const e of form.querySelectorAll("[data-error-for]")) e.textContent = "";
+    for (const f of form.querySelectorAll(".field.invalid")) f.classList.remove("invalid");
+    document.getElementById("form-error").hidden = true;
+  }
+
+  function showErrors(detail) {
+    const unplaced = [];
+    for (const { path, message } of detail) {
+      const slot = form.querySelector(`[data-error-for="${CSS.escape(path)}"]`);
+      if (slot) { slot.textContent = message; slot.closest(".field")?.classList.add("invalid"); }
+      else unplaced.push(`${path}: ${message}`);
+    }
+    const top = document.getElementById("form-error");
+    if (unplaced.length) { top.textContent = unplaced.join("; "); top.hidden = false; }
+    form.querySelector(".field.invalid input, .field.invalid select")?.focus();
+  }
+
+  async function preview() {
+    const box = document.getElementById("preview");
+    const source = form.querySelector('[name="dataset.source"]').value.trim();
+    box.replaceChildren(el("p", { class: "muted", text: "Reading the dataset…" }));
+    const c = config();
+    try {
+      const [rows, report] = await Promise.all([
+        source.startsWith("synth:") ? Promise.resolve(null) : api("/datasets/preview", { params: { source, split: c.dataset.split, rows: 5 } }),
+        api("/datasets/check", { method: "POST", body: {
+          source, split: c.dataset.split, model: c.model.path, max_prompt_length: c.train.max_prompt_length || null,
+          rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed,
+        } }),
+      ]);
+      const parts = [el("p", { class: report.ok ? "ok" : "error", text: report.summary })];
+      if (report.errors.length) parts.push(el("ul", { class: "problems" }, report.errors.slice(0, 50).map(e => el("li", { text: `row ${e.row}: ${e.message}` }))));
+      if (rows) parts.push(previewRows(rows.rows));
+      else if (source.startsWith("synth:")) parts.push(el("p", { class: "muted", text: "Synthetic rows are generated when the run starts; the check above used the same generator." }));
+      box.replaceChildren(...parts);
+    } catch (err) {
+      box.replaceChildren(el("p", { class: "error", text: err.body?.detail ? (typeof err.body.detail === "string" ? err.body.detail : JSON.stringify(err.body.detail)) : String(err) }));
+    }
+  }
+
+  function previewRows(rows) {
+    return el("table", { class: "preview-rows" }, rows.map(r => el("tr", {},
+      el("td", { text: "row " + r.row }),
+      el("td", {}, r.images.map(im => el("img", { src: im.thumb_url, alt: "image", class: "thumb", width: 64 }))),
+      el("td", { text: JSON.stringify(r.prompt).slice(0, 300) }),
+      el("td", { class: r.error ? "error" : "muted", text: r.error || Object.entries(r.columns).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ").slice(0, 200) }),
+    )));
+  }
+
+  function fill(cfg) {
+    const flat = (obj, prefix = "") => Object.entries(obj).flatMap(([k, v]) =>
+      v && typeof v === "object" && !Array.isArray(v) ? flat(v, prefix + k + ".") : [[prefix + k, v]]);
+    form.querySelector(`input[name="algorithm"][value="${cfg.algorithm}"]`).checked = true;
+    for (const [path, value] of flat(cfg)) {
+      const input = form.querySelector(`[name="${CSS.escape(path)}"]`);
+      if (!input) continue;
+      if (input.type === "checkbox") input.checked = !!value;
+      else input.value = Array.isArray(value) ? value.join(", ") : value ?? "";
+    }
+    document.getElementById("lora-on").checked = !!cfg.model.lora;
+    document.getElementById("lora").hidden = !cfg.model.lora;
+    form.querySelector('[name="name"]').value = cfg.name + "-clone";
+    rewardsBox.replaceChildren();
+    for (const r of cfg.rewards) addReward(r.name, r.weight, r.on_images_for_text_reward || "error");
+    showAlgorithmFields();
+  }
+
+  form.addEventListener("change", e => { if (e.target.name === "algorithm") showAlgorithmFields(); });
+  document.getElementById("lora-on").addEventListener("change", e => { document.getElementById("lora").hidden = !e.target.checked; });
+  document.getElementById("add-reward").addEventListener("click", () => addReward());
+  document.getElementById("preview-btn").addEventListener("click", preview);
+  document.getElementById("yaml-btn").addEventListener("click", () => {
+    const pre = document.getElementById("yaml");
+    pre.textContent = toYaml(config()).trimStart();
+    pre.hidden = !pre.hidden;
+  });
+  form.addEventListener("submit", async e => {
+    e.preventDefault();
+    clearErrors();
+    const button = document.getElementById("launch-btn");
+    button.disabled = true;
+    try {
+      const created = await api("/runs", { method: "POST", body: config() });
+      location.href = "/runs/" + created.id;
+    } catch (err) {
+      if (err.status === 422) showErrors(err.body.detail);
+      else showErrors([{ path: "", message: err.body?.detail || String(err) }]);
+    } finally { button.disabled = false; }
+  });
+
+  (async () => {
+    const [rewards, models] = await Promise.all([api("/rewards"), api("/models")]);
+    rewardNames = rewards.builtins.map(r => r.name);
+    document.getElementById("reward-docs").replaceChildren(...rewards.builtins.flatMap(r => [el("dt", { text: r.name }), el("dd", { text: r.doc })]),
+      el("dt", { text: "your function" }), el("dd", { text: rewards.user_functions }),
+      el("dt", { text: "text reward model" }), el("dd", { text: rewards.text_reward_models }));
+    document.body.append(el("datalist", { id: "reward-options" }, rewardNames.map(n => el("option", { value: n }))));
+    document.getElementById("model-options").replaceChildren(...[...models.tiny, ...models.local].map(m => el("option", { value: m })));
+    const clone = form.dataset.clone;
+    if (clone) fill((await api("/runs/" + clone)).config);
+    else { addReward("accuracy", 1.0); addReward("numeric", 0.5); }
+    showAlgorithmFields();
+  })();
+})();

@@ -1,0 +1,145 @@
+"""Server-rendered pages (Jinja2). Each page is a shell; its data comes from the JSON API, called from the
+browser with the session cookie and a CSRF header."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import quote
+
+import yaml
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from sqlmodel import Session
+
+from ..models import ApiToken, Run
+from ..store.tokens import verify_token
+from .fields import form_fields
+from .session import CSRF_FIELD, csrf_ok, csrf_token, logged_in_token_id
+
+TEMPLATES = Jinja2Templates(directory=str(Path(__file__).resolve().parents[2] / "templates"))
+
+router = APIRouter(include_in_schema=False)
+
+
+def _user(request: Request) -> ApiToken | None:
+    token_id = logged_in_token_id(request)
+    if token_id is None:
+        return None
+    with Session(request.app.state.engine) as session:
+        token = session.get(ApiToken, token_id)
+    return token if token is not None and not token.revoked else None
+
+
+def _render(request: Request, template: str, status: int = 200, **context) -> HTMLResponse:
+    context.update(request=request, csrf=csrf_token(request), user=_user(request))
+    return TEMPLATES.TemplateResponse(request, template, context, status_code=status)
+
+
+def _login_redirect(request: Request) -> RedirectResponse:
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return RedirectResponse(f"/login?next={quote(target)}", status_code=303)
+
+
+def _safe_next(value: str | None) -> str:
+    # only local paths: never an open redirect
+    return value if value and value.startswith("/") and not value.startswith("//") else "/runs"
+
+
+@router.get("/login")
+def login_page(request: Request, token: str | None = None, next: str | None = None) -> Response:  # noqa: A002
+    if token:  # the login link `collage serve` prints
+        found = verify_token(request.app.state.engine, token)
+        if found is None:
+            return _render(request, "login.html", 401, error="That login link's token is not valid.", next=next)
+        request.session.clear()
+        request.session["token_id"] = found.id
+        return RedirectResponse(_safe_next(next), status_code=303)
+    return _render(request, "login.html", error=None, next=next)
+
+
+@router.post("/login")
+def login(
+    request: Request,
+    token: Annotated[str, Form()] = "",
+    csrf_token_field: Annotated[str, Form(alias=CSRF_FIELD)] = "",
+    next: Annotated[str, Form()] = "",  # noqa: A002
+) -> Response:
+    if not csrf_ok(request, csrf_token_field):
+        return _render(request, "login.html", 403, error="The form expired: please try again.", next=next)
+    found = verify_token(request.app.state.engine, token.strip()) if token.strip() else None
+    if found is None:
+        return _render(request, "login.html", 401, error="That API token is not valid.", next=next)
+    request.session.clear()
+    request.session["token_id"] = found.id
+    return RedirectResponse(_safe_next(next), status_code=303)
+
+
+@router.post("/logout")
+def logout(request: Request, csrf_token_field: Annotated[str, Form(alias=CSRF_FIELD)] = "") -> Response:
+    if not csrf_ok(request, csrf_token_field):
+        return Response("CSRF check failed", status_code=403)
+    request.session.clear()
+    return RedirectResponse("/login", status_code=303)
+
+
+@router.get("/")
+def home(request: Request) -> Response:
+    return RedirectResponse("/runs", status_code=303)
+
+
+@router.get("/runs")
+def runs_page(request: Request) -> Response:
+    if _user(request) is None:
+        return _login_redirect(request)
+    return _render(request, "runs.html", page="runs")
+
+
+@router.get("/launch")
+def launch_page(request: Request, clone: str | None = None) -> Response:
+    if _user(request) is None:
+        return _login_redirect(request)
+    fields = form_fields()
+    sections = {}
+    for field in fields:
+        sections.setdefault(field.section, []).append(field)
+    return _render(request, "launch.html", page="launch", sections=sections, clone=clone or "")
+
+
+@router.get("/runs/{run_id}")
+def run_page(request: Request, run_id: str) -> Response:
+    if _user(request) is None:
+        return _login_redirect(request)
+    with Session(request.app.state.engine) as session:
+        run = session.get(Run, run_id) if len(run_id) <= 32 else None
+    if run is None:
+        return _render(request, "error.html", 404, message=f"No run with id {run_id}.")
+    config_yaml = yaml.safe_dump(run.config, sort_keys=False)
+    return _render(request, "run.html", page="runs", run=run, config_yaml=config_yaml)
+
+
+@router.get("/runs/{run_id}/rollouts")
+def rollouts_page(request: Request, run_id: str) -> Response:
+    if _user(request) is None:
+        return _login_redirect(request)
+    with Session(request.app.state.engine) as session:
+        run = session.get(Run, run_id) if len(run_id) <= 32 else None
+    if run is None:
+        return _render(request, "error.html", 404, message=f"No run with id {run_id}.")
+    reward_names = [
+        r["name"] if ":" not in r["name"] else r["name"].rpartition(":")[2] for r in run.config.get("rewards", [])
+    ]
+    return _render(request, "rollouts.html", page="runs", run=run, reward_names=reward_names)
+
+
+@router.get("/compare")
+def compare_page(request: Request, ids: str = "") -> Response:
+    if _user(request) is None:
+        return _login_redirect(request)
+    run_ids = [i for i in ids.split(",") if i][:8]
+    with Session(request.app.state.engine) as session:
+        runs = [r for r in (session.get(Run, i) for i in run_ids if len(i) <= 32) if r is not None]
+    if len(runs) < 2:
+        return _render(request, "error.html", 400, message="Pick two or more runs to compare (from the runs page).")
+    return _render(request, "compare.html", page="compare", runs=runs)

@@ -1,0 +1,323 @@
+"""The web dashboard in a real browser: Debian's Chromium driven by Playwright, against `collage serve`.
+
+Screenshots of every page go to test-artifacts/screenshots/ (not compared pixel by pixel: for a reviewer).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import require_service
+from .test_workers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "test-artifacts" / "screenshots"
+CHROMIUM = os.environ.get("COLLAGE_CHROMIUM", "/usr/bin/chromium")
+API = "/api/v1"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("dashboard-home")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLLAGE_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    for key in ("COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS"):
+        env.pop(key, None)
+    log = home / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env, cwd=ROOT,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(base + API + "/health", timeout=2).json()["workers"]:
+                break
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(log.read_text()[-3000:])
+        time.sleep(0.5)
+    token = (home / "token").read_text().strip()
+    client = httpx.Client(base_url=base + API, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    yield {"base": base, "token": token, "home": home, "client": client, "env": env}
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    require_service(None if Path(CHROMIUM).exists() else f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"],
+        )  # fmt: skip
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+    page.on("console", lambda msg: page.errors.append(msg.text) if msg.type == "error" else None)
+    page.on("dialog", lambda dialog: (page.errors.append("dialog: " + dialog.message), dialog.dismiss()))
+    page.goto(server["base"] + "/login")
+    page.fill('input[name="token"]', server["token"])
+    page.click('button[type="submit"]')
+    page.wait_for_url("**/runs")
+    yield page
+    context.close()
+
+
+SMALL = {
+    "train.max_steps": "4",
+    "train.per_device_train_batch_size": "8",
+    "train.max_completion_length": "6",
+    "train.max_prompt_length": "256",
+    "train.learning_rate": "0.001",
+    "dataset.rows": "16",
+    "resources.gpus": "0",
+}
+
+
+def small_config(name: str, **train) -> dict:
+    return {
+        "name": name,
+        "model": {"path": "tiny:qwen2-vl", "dtype": "float32"},
+        "dataset": {"source": "synth:count-red", "rows": 16},
+        "rewards": [{"name": "accuracy"}, {"name": "numeric", "weight": 0.5}],
+        "train": {"max_steps": 3, "per_device_train_batch_size": 8, "max_completion_length": 6,
+                  "max_prompt_length": 256, **train},
+        "resources": {"gpus": 0},
+    }  # fmt: skip
+
+
+def wait_done(client: httpx.Client, run_id: str, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = client.get(f"/runs/{run_id}").json()
+        if run["status"] in ("succeeded", "failed", "cancelled"):
+            return run
+        time.sleep(0.5)
+    raise AssertionError(f"run {run_id} did not end")
+
+
+def test_login_page_and_login_link(browser, server):
+    context = browser.new_context(viewport={"width": 1200, "height": 700})
+    page = context.new_page()
+    page.goto(server["base"] + "/runs")
+    page.wait_for_url(lambda url: "/login" in url and "next=" in url)
+    page.screenshot(path=str(SHOTS / "login.png"))
+    page.fill('input[name="token"]', "clg_wrong")
+    page.click('button[type="submit"]')
+    assert "not valid" in page.inner_text(".error")
+    page.goto(f"{server['base']}/login?token={server['token']}")  # the link `collage serve` prints
+    page.wait_for_url("**/runs")
+    page.click("text=Log out")
+    page.wait_for_url("**/login")
+    page.goto(server["base"] + "/runs")
+    page.wait_for_url(lambda url: "/login" in url and "next=" in url)
+    context.close()
+
+
+def test_launch_from_the_form_watch_it_succeed_and_inspect_rollouts(page, server):
+    before = len(server["client"].get("/runs").json()["items"])
+    page.goto(server["base"] + "/launch")
+    page.wait_for_selector(".reward")
+    page.fill('[name="name"]', "browser-grpo")
+    for name, value in SMALL.items():
+        page.fill(f'[name="{name}"]', value)
+    page.select_option('[name="model.dtype"]', "float32")
+    assert page.is_visible('[data-path="train.loss_type"]') and not page.is_visible(
+        '[data-path="train.normalize_advantages"]'
+    )
+    page.check('input[name="algorithm"][value="rloo"]')  # the switch shows only the fields that apply
+    assert not page.is_visible('[data-path="train.loss_type"]') and page.is_visible(
+        '[data-path="train.normalize_advantages"]'
+    )
+    page.check('input[name="algorithm"][value="grpo"]')
+    page.click("#preview-btn")
+    page.wait_for_selector("#preview p.ok", timeout=120_000)
+    assert "16 rows, 0 bad" in page.inner_text("#preview") and "image tokens/row" in page.inner_text("#preview")
+    page.click("#yaml-btn")
+    assert "max_steps: 4" in page.inner_text("#yaml")
+    page.screenshot(path=str(SHOTS / "launch.png"), full_page=True)
+    page.click("#launch-btn")
+    page.wait_for_url("**/runs/*", timeout=30_000)
+    run_id = page.url.rstrip("/").rsplit("/", 1)[1]
+    page.wait_for_function("document.getElementById('status').textContent === 'succeeded'", timeout=180_000)
+    page.wait_for_function("document.querySelectorAll('.chart canvas').length >= 10", timeout=30_000)
+    for metric in (
+        "reward",
+        "loss",
+        "entropy",
+        "grad_norm",
+        "learning_rate",
+        "frac_reward_zero_std",
+        "clip_ratio/region_mean",
+    ):
+        assert page.locator(f'.chart[data-metric="{metric}"] canvas').count() == 1, metric
+    assert "succeeded at step 4" in page.inner_text("#events")
+    page.screenshot(path=str(SHOTS / "run.png"), full_page=True)
+    assert len(server["client"].get("/runs").json()["items"]) == before + 1
+
+    page.click("text=Rollouts")
+    page.wait_for_selector("tr.sample")
+    assert page.locator("tr.sample").count() == 4 * 8
+    assert page.locator("tr.group").count() == 4 * 2  # one header per prompt group, with mean/std
+    page.wait_for_function("[...document.querySelectorAll('img.thumb')].some(i => i.complete && i.naturalWidth > 0)")
+    page.screenshot(path=str(SHOTS / "rollouts.png"), full_page=True)
+    page.select_option('[name="advantage"]', "pos")
+    page.wait_for_function(
+        "document.querySelectorAll('td.adv-neg, td.adv-zero').length === 0 && document.querySelectorAll('tr.sample').length > 0"
+    )
+    values = [float(v) for v in page.locator("tr.sample td.adv-pos").all_inner_texts()]
+    assert values and all(v > 0 for v in values)
+    api_count = len(
+        server["client"].get(f"/runs/{run_id}/samples", params={"advantage": "pos", "limit": 500}).json()["items"]
+    )
+    assert page.locator("tr.sample").count() == api_count
+    page.select_option('[name="advantage"]', "")
+    page.fill('[name="min_images"]', "1")
+    page.wait_for_function(
+        "document.querySelectorAll('tr.sample').length > 0 && [...document.querySelectorAll('tr.sample')].every(r => r.querySelectorAll('img.thumb').length >= 1)"
+    )
+    page.locator("img.thumb").first.click()
+    page.wait_for_selector("#modal:not([hidden]) img.full")
+    page.wait_for_function("document.querySelector('#modal img.full').naturalWidth > 0")
+    page.screenshot(path=str(SHOTS / "image.png"))
+    page.keyboard.press("Escape")
+    assert page.is_hidden("#modal")
+    assert not page.errors, page.errors
+
+
+def test_a_bad_value_shows_the_field_error_and_creates_no_run(page, server):
+    before = len(server["client"].get("/runs").json()["items"])
+    page.goto(server["base"] + "/launch")
+    page.wait_for_selector(".reward")
+    page.fill('[name="train.max_steps"]', "-3")
+    page.fill('[name="train.learning_rate"]', "fast")
+    page.fill('[name="dataset.source"]', "synth:nonsense")
+    page.click("#launch-btn")
+    page.wait_for_selector('[data-error-for="train.max_steps"]:not(:empty)')
+    assert "greater than 0" in page.inner_text('[data-error-for="train.max_steps"]')
+    assert page.inner_text('[data-error-for="train.learning_rate"]')
+    assert page.locator('.field.invalid[data-path="train.max_steps"]').count() == 1
+    page.screenshot(path=str(SHOTS / "launch-errors.png"), full_page=True)
+    # the type errors come first; fix them and the dataset's own check answers next to its field
+    page.fill('[name="train.max_steps"]', "3")
+    page.fill('[name="train.learning_rate"]', "0.001")
+    page.click("#launch-btn")
+    page.wait_for_selector('[data-error-for="dataset.source"]:not(:empty)')
+    assert "unknown synthetic task" in page.inner_text('[data-error-for="dataset.source"]')
+    assert len(server["client"].get("/runs").json()["items"]) == before
+    assert "/launch" in page.url
+
+
+def test_model_output_is_escaped_everywhere(page, server):
+    from app.db import make_engine
+    from app.store.writer import ImageIn, SampleIn, StoreWriter
+    from training.config import parse_config
+
+    engine = make_engine(f"sqlite:///{server['home'] / 'collage.db'}")
+    writer = StoreWriter(engine, server["home"] / "artifacts")
+    config = parse_config({**small_config("<b>evil</b> run"), "tags": ["<i>t</i>"]}).model_dump(mode="json")
+    run = writer.create_run(config)
+    writer.set_status(run.id, "succeeded")
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (30, 30), (250, 0, 0)).save(buf, format="PNG")
+    evil = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"><b>bold</b>'
+    rows = [
+        SampleIn(group=0, index=i, prompt=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": evil}]}],
+                 completion=evil, images=[ImageIn(buf.getvalue())], rewards={"accuracy": 1.0, "numeric": 0.0},
+                 reward=1.0, advantage=0.5 - i, completion_length=9, truncated=False, group_mean=0.5, group_std=0.1)
+        for i in range(2)
+    ]  # fmt: skip
+    writer.append_samples(run.id, 1, rows)
+    writer.add_event(run.id, "warning", evil)
+    engine.dispose()
+    for path in (f"/runs/{run.id}/rollouts", f"/runs/{run.id}", "/runs"):
+        page.goto(server["base"] + path)
+        page.wait_for_load_state("networkidle")
+        assert page.evaluate("window.__pwned") is None, path
+    page.goto(f"{server['base']}/runs/{run.id}/rollouts")
+    page.wait_for_selector("tr.sample")
+    completion = page.locator("tr.sample pre.completion").first
+    assert completion.inner_text() == evil  # shown as text
+    assert (
+        page.locator("tr.sample pre.completion b, tr.sample .prompt b:not(:first-child), tr.sample script").count() == 0
+    )
+    assert "<script>window.__pwned = 1</script>" in page.inner_text("tr.sample .prompt")
+    page.screenshot(path=str(SHOTS / "escaping.png"), full_page=True)
+    page.goto(f"{server['base']}/runs/{run.id}")
+    page.wait_for_selector(".event.level-warning")
+    assert page.inner_text(".event.level-warning pre") == evil
+    assert page.inner_text("h1").startswith("<b>evil</b> run")
+    assert page.evaluate("window.__pwned") is None and not [e for e in page.errors if "pwned" in e]
+
+
+def test_compare_two_runs(page, server):
+    client = server["client"]
+    a = client.post("/runs", json=small_config("cmp-a")).json()["id"]
+    b = client.post("/runs", json=small_config("cmp-b", learning_rate=0.01, temperature=0.7)).json()["id"]
+    assert wait_done(client, a)["status"] == "succeeded" and wait_done(client, b)["status"] == "succeeded"
+    page.goto(server["base"] + "/runs")
+    page.wait_for_selector(f'tr[data-run="{a}"]')
+    page.screenshot(path=str(SHOTS / "runs.png"), full_page=True)
+    page.check(f'tr[data-run="{a}"] input[type=checkbox]')
+    page.check(f'tr[data-run="{b}"] input[type=checkbox]')
+    page.click("#compare")
+    page.wait_for_url(lambda url: "/compare" in url)
+    page.wait_for_selector('.chart[data-metric="reward"] canvas')
+    legend = page.locator('.chart[data-metric="reward"] .u-legend .u-series').all_inner_texts()
+    assert any("cmp-a" in t for t in legend) and any("cmp-b" in t for t in legend)
+    differing = page.locator("#config-diff tr.differs td:first-child").all_inner_texts()
+    assert {"name", "train.learning_rate", "train.temperature"} <= set(differing)
+    assert "train.max_steps" not in differing
+    page.wait_for_selector("#side-by-side .column pre.completion")
+    assert page.locator("#side-by-side .column").count() == 2
+    page.screenshot(path=str(SHOTS / "compare.png"), full_page=True)
+    assert not page.errors, page.errors
+
+
+def test_api_calls_from_a_session_need_the_csrf_token(server):
+    """A logged-in browser session can call the API; state-changing calls also need the CSRF header."""
+    base = server["base"]
+    with httpx.Client(base_url=base, follow_redirects=False) as session:
+        login_page = session.get("/login")
+        import re
+
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', login_page.text).group(1)
+        assert (
+            session.post("/login", data={"token": server["token"], "csrf_token": csrf, "next": "/runs"}).status_code
+            == 303
+        )
+        assert session.get(API + "/runs").status_code == 200
+        page_csrf = re.search(r'name="csrf-token" content="([^"]+)"', session.get("/runs").text).group(1)
+        blocked = session.post(API + "/runs", json=small_config("csrf"))
+        assert blocked.status_code == 403 and "CSRF" in blocked.json()["detail"]
+        allowed = session.post(API + "/runs", json=small_config("csrf"), headers={"X-CSRF-Token": page_csrf})
+        assert allowed.status_code == 201
+        assert session.post("/logout", data={"csrf_token": "wrong"}).status_code == 403
