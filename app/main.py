@@ -87,8 +87,14 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_response([(loc_path(e["loc"]), _message(e)) for e in exc.errors()])
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [(loc_path(e["loc"]), _message(e)) for e in exc.errors()]
+        if request.method == "POST" and request.url.path == f"{API}/runs":
+            from .validation import raw_semantic_errors
+
+            seen = {path for path, _ in errors}
+            errors += [(p, m) for p, m in raw_semantic_errors(exc.body) if p not in seen]
+        return validation_response(errors)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -76,3 +76,25 @@ def semantic_errors(config: RunConfig) -> list[tuple[str, str]]:
         if (message := check_reward(reward.name)) is not None:
             errors.append((f"rewards[{k}].name", message))
     return errors
+
+
+def raw_semantic_errors(data: object) -> list[tuple[str, str]]:
+    """The same checks on a config that failed type validation, for the fields whose values are usable, so
+    that one answer lists every problem."""
+    if not isinstance(data, dict):
+        return []
+    errors = []
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if isinstance(model.get("path"), str) and (message := check_model(model["path"])) is not None:
+        errors.append(("model.path", message))
+    dataset = data.get("dataset") if isinstance(data.get("dataset"), dict) else {}
+    if isinstance(dataset.get("source"), str):
+        lo, hi = dataset.get("min_images", 0), dataset.get("max_images", 3)
+        if isinstance(lo, int) and isinstance(hi, int) and (message := check_dataset(dataset["source"], lo, hi)):
+            errors.append(("dataset.source", message))
+    rewards = data.get("rewards") if isinstance(data.get("rewards"), list) else []
+    for k, reward in enumerate(rewards):
+        name = reward.get("name") if isinstance(reward, dict) else None
+        if isinstance(name, str) and (message := check_reward(name)) is not None:
+            errors.append((f"rewards[{k}].name", message))
+    return errors

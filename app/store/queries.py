@@ -206,16 +206,21 @@ def query_samples(
         rows = rows[:limit]
         last = rows[-1]
         next_cursor = encode_cursor([getattr(last, column.key), last.id])
-    images: dict[int, list[str]] = {r.id: [] for r in rows}
-    if rows:
+    return rows, image_shas(session, [r.id for r in rows]), next_cursor
+
+
+def image_shas(session: Session, sample_ids: Sequence[int]) -> dict[int, list[str]]:
+    """Each sample's image hashes, in prompt order."""
+    images: dict[int, list[str]] = {sample_id: [] for sample_id in sample_ids}
+    if sample_ids:
         links = session.execute(
             select(SampleImage.sample_id, SampleImage.sha256)
-            .where(SampleImage.sample_id.in_(list(images)))
+            .where(SampleImage.sample_id.in_(list(sample_ids)))
             .order_by(SampleImage.sample_id, SampleImage.position)
         )
         for sample_id, sha in links:
             images[sample_id].append(sha)
-    return rows, images, next_cursor
+    return images
 
 
 def iter_samples(session: Session, run_id: str, batch: int = 1000):
@@ -231,13 +236,7 @@ def iter_samples(session: Session, run_id: str, batch: int = 1000):
         rows = list(session.scalars(stmt))
         if not rows:
             return
-        images: dict[int, list[str]] = {r.id: [] for r in rows}
-        for sample_id, sha in session.execute(
-            select(SampleImage.sample_id, SampleImage.sha256)
-            .where(SampleImage.sample_id.in_(list(images)))
-            .order_by(SampleImage.sample_id, SampleImage.position)
-        ):
-            images[sample_id].append(sha)
+        images = image_shas(session, [r.id for r in rows])
         yield from ((row, images[row.id]) for row in rows)
         last = (rows[-1].step, rows[-1].id)
 

@@ -23,6 +23,13 @@ TEMPLATES = Jinja2Templates(directory=str(Path(__file__).resolve().parents[2] / 
 router = APIRouter(include_in_schema=False)
 
 
+def reward_column(name: str) -> str:
+    """The name a reward's values are stored under (the trainer's ``Reward.name``)."""
+    if name.startswith(("/", ".", "~")) or Path(name).expanduser().is_dir():
+        return Path(name).name  # a text reward model folder
+    return name.rpartition(":")[2]
+
+
 def _user(request: Request) -> ApiToken | None:
     token_id = logged_in_token_id(request)
     if token_id is None:
@@ -107,12 +114,16 @@ def launch_page(request: Request, clone: str | None = None) -> Response:
     return _render(request, "launch.html", page="launch", sections=sections, clone=clone or "")
 
 
+def _run(request: Request, run_id: str) -> Run | None:
+    with Session(request.app.state.engine) as session:
+        return session.get(Run, run_id) if len(run_id) <= 32 else None
+
+
 @router.get("/runs/{run_id}")
 def run_page(request: Request, run_id: str) -> Response:
     if _user(request) is None:
         return _login_redirect(request)
-    with Session(request.app.state.engine) as session:
-        run = session.get(Run, run_id) if len(run_id) <= 32 else None
+    run = _run(request, run_id)
     if run is None:
         return _render(request, "error.html", 404, message=f"No run with id {run_id}.")
     config_yaml = yaml.safe_dump(run.config, sort_keys=False)
