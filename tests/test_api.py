@@ -591,13 +591,12 @@ def test_out_of_range_numbers_are_422_not_500(api):
     assert nan.status_code == 422
 
 
-def test_text_search_is_indexed_on_postgresql(api):
-    client, _, _, app = api
-    if app.state.engine.dialect.name != "postgresql":
-        pytest.skip("trigram indexes are PostgreSQL-only (SQLite scans one run's rows)")
+def test_text_search_is_indexed_on_postgresql(migrated_postgres_url):
     from sqlalchemy import text
 
-    with app.state.engine.connect() as conn:
+    from app.db import engine_for
+
+    with engine_for(migrated_postgres_url).connect() as conn:
         names = set(conn.execute(text("SELECT indexname FROM pg_indexes WHERE tablename = 'samples'")).scalars())
         mode = conn.execute(text("SHOW plan_cache_mode")).scalar_one()
     assert {"ix_samples_completion_trgm", "ix_samples_prompt_text_trgm"} <= names
