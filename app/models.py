@@ -177,3 +177,19 @@ class Worker(SQLModel, table=True):
     current_run_id: str | None = Field(default=None, max_length=32)
     started_at: datetime = Field(default_factory=utcnow)
     last_seen: datetime = Field(default_factory=utcnow)
+
+
+class MetricRollup(SQLModel, table=True):
+    """The minimum and maximum point of a metric within each bucket of ``width`` steps, kept up to date by the
+    writer, so that a chart of a long run reads a few hundred rows instead of every step."""
+
+    __tablename__ = "metric_rollups"
+
+    run_id: str = Field(sa_column=Column(String(32), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True))
+    key: str = Field(primary_key=True, max_length=100)
+    width: int = Field(primary_key=True)
+    bucket: int = Field(primary_key=True)
+    min_step: int
+    min_value: float
+    max_step: int
+    max_value: float

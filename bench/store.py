@@ -225,6 +225,15 @@ def fill(store: Store, args: argparse.Namespace, artifacts: Path) -> None:
             _fill_postgresql(raw, samples(), metrics, store)
     finally:
         raw.close()
+    # the bulk load bypassed the writer, which keeps the metric rollups: build them as it would have
+    from app.db import session_scope
+    from app.store.rollups import rebuild
+
+    rollup_started = time.perf_counter()
+    for run_id in store.metric_run_ids:
+        with session_scope(engine) as session:
+            rebuild(session, run_id)
+    store.fill_s["metric rollups"] = time.perf_counter() - rollup_started
     store.fill_s["total"] = time.perf_counter() - started
 
 
@@ -326,7 +335,12 @@ def queries(steps: int) -> list[Query]:
         Query("samples zero_std_groups=true", "samples", lambda c, r, i: {"zero_std_groups": "true", "limit": PAGE}),
         Query(f"samples q={RARE_WORD} (~2% of rows)", "samples", lambda c, r, i: {"q": RARE_WORD, "limit": PAGE}),
         Query("samples sort=-reward page 2 (cursor)", "samples", _second_page),
-        Query(f"metrics {len(METRIC_KEYS)} keys x {METRIC_STEPS:,} steps", "metrics", lambda c, r, i: {"keys": keys}),
+        Query(
+            f"metrics {len(METRIC_KEYS)} keys x {METRIC_STEPS:,} steps (default max_points=2000)",
+            "metrics",
+            lambda c, r, i: {"keys": keys},
+            max_points=2000,
+        ),
         Query(
             f"metrics {len(METRIC_KEYS)} keys x {METRIC_STEPS:,} steps, max_points=500",
             "metrics",

@@ -130,11 +130,13 @@ def _truncate(url: str) -> None:
         "samples",
         "images",
         "metrics",
+        "metric_rollups",
         "events",
         "checkpoints",
         "run_tags",
         "runs",
         "api_tokens",
+        "workers",
     ]
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":

@@ -560,7 +560,7 @@ def test_db_upgrade_and_token_create_cli(tmp_path):
     early = run("token", "create", "me")
     assert early.returncode == 2 and "collage db upgrade" in early.stderr
     up = run("db", "upgrade")
-    assert up.returncode == 0 and "is at migration 0003" in up.stdout
+    assert up.returncode == 0 and "is at migration 0004" in up.stdout
     assert run("db", "upgrade").returncode == 0  # idempotent
     made = run("token", "create", "me")
     assert made.returncode == 0 and made.stdout.strip().startswith("clg_") and "shown only this once" in made.stderr
@@ -601,3 +601,45 @@ def test_text_search_is_indexed_on_postgresql(migrated_postgres_url):
         mode = conn.execute(text("SHOW plan_cache_mode")).scalar_one()
     assert {"ix_samples_completion_trgm", "ix_samples_prompt_text_trgm"} <= names
     assert mode == "force_custom_plan"
+
+
+def test_downsampled_series_follow_rewrites_and_truncation(api):
+    """The rollups behind downsampling always match the raw points: after a rewrite that removes a bucket's
+    extreme, and after a resumed run drops the steps past its checkpoint."""
+    client, _, _, app = api
+    run = client.post(API + "/runs", json=config()).json()["id"]
+    w = app.state.writer
+    rng = random.Random(3)
+    values = {s: rng.uniform(-1, 1) for s in range(1, 3001)}
+    values[100] = 9.0
+    for s, v in values.items():
+        w.append_metrics(run, s, {"loss": v})
+
+    def series(**params):
+        return client.get(f"{API}/runs/{run}/metrics", params={"keys": "loss", "max_points": 61, **params}).json()[
+            "loss"
+        ]
+
+    def check(points, truth):
+        assert len(points) <= 61 and [p[0] for p in points] == sorted(p[0] for p in points)
+        assert all(truth[s] == v for s, v in points)
+        assert points[-1][0] == max(truth)
+        lo, hi = min(truth.values()), max(truth.values())
+        assert any(v == lo for _, v in points) and any(v == hi for _, v in points)
+
+    check(series(), values)
+    assert [100, 9.0] in series()
+    w.append_metrics(run, 100, {"loss": 0.0})  # the old maximum is gone
+    values[100] = 0.0
+    check(series(), values)
+    assert [100, 9.0] not in series()
+    w.truncate_metrics(run, 1999)
+    values = {s: v for s, v in values.items() if s <= 1999}
+    check(series(), values)
+    for s in range(2000, 2101):
+        w.append_metrics(run, s, {"loss": -5.0 if s == 2050 else 0.5})
+        values[s] = -5.0 if s == 2050 else 0.5
+    check(series(), values)
+    assert [2050, -5.0] in series()
+    inner = series(from_step=500, to_step=1500)
+    assert inner[0][0] >= 500 and inner[-1][0] == 1500

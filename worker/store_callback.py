@@ -10,7 +10,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from app.db import session_scope
-from app.models import Checkpoint, Metric, Run, Sample, SampleImage, utcnow
+from app.models import Checkpoint, Run, Sample, SampleImage, utcnow
+from app.store import rollups
 from app.store.writer import ImageIn, SampleIn, StoreWriter
 from training.callbacks import Callback, RolloutRow
 
@@ -66,7 +67,7 @@ class StoreCallback(Callback):
             ids = select(Sample.id).where(Sample.run_id == self.run_id, Sample.step > resumed_from_step)
             session.execute(delete(SampleImage).where(SampleImage.sample_id.in_(ids)))
             session.execute(delete(Sample).where(Sample.run_id == self.run_id, Sample.step > resumed_from_step))
-            session.execute(delete(Metric).where(Metric.run_id == self.run_id, Metric.step > resumed_from_step))
+            rollups.truncate(session, self.run_id, resumed_from_step)
             session.execute(
                 delete(Checkpoint).where(Checkpoint.run_id == self.run_id, Checkpoint.step > resumed_from_step)
             )

@@ -188,8 +188,13 @@ def get_metrics(
     from_step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     to_step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     max_points: Annotated[
-        int | None, Query(ge=3, le=100_000, description="per key; min/max per bucket above it")
-    ] = None,
+        int,
+        Query(
+            ge=3,
+            le=100_000,
+            description="points per key (default 2000); above it each bucket of steps keeps its min and max",
+        ),
+    ] = 2000,
 ) -> dict[str, list[tuple[int, float | None]]]:
     get_run_or_404(session, run_id)
     names = [k for item in keys or [] for k in item.split(",") if k] or None

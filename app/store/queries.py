@@ -267,13 +267,23 @@ def query_metrics(
         where.append(Metric.step >= from_step)
     if to_step is not None:
         where.append(Metric.step <= to_step)
-    stats = session.execute(
-        select(Metric.key, func.count(), func.min(Metric.step), func.max(Metric.step))
-        .where(*where)
-        .group_by(Metric.key)
-    ).all()
-    small = [k for k, n, _, _ in stats if max_points is None or n <= max_points]
-    large = {k: (lo, hi) for k, n, lo, hi in stats if max_points is not None and n > max_points}
+    if max_points is None:  # every point (the export's view)
+        for key, step, value in session.execute(
+            select(Metric.key, Metric.step, Metric.value).where(*where).order_by(Metric.key, Metric.step)
+        ):
+            out[key].append([step, value])
+        return out
+    # each key's first and last step in range: two index seeks per key, instead of counting every point
+    stats = []
+    for key in keys:
+        bounded = select(Metric.step).where(*where[:1], Metric.key == key, *where[2:])
+        lo = session.execute(bounded.order_by(Metric.step.asc()).limit(1)).scalar()
+        if lo is None:
+            continue
+        hi = session.execute(bounded.order_by(Metric.step.desc()).limit(1)).scalar()
+        stats.append((key, hi - lo + 1, lo, hi))  # steps spanned: the point count of a series logged every step
+    small = [k for k, n, _, _ in stats if n <= max_points]
+    large = {k: (lo, hi) for k, n, lo, hi in stats if n > max_points}
     if small:
         rows = session.execute(
             select(Metric.key, Metric.step, Metric.value)
@@ -282,39 +292,20 @@ def query_metrics(
         )
         for key, step, value in rows:
             out[key].append([step, value])
-    for key, (lo, hi) in large.items():
-        out[key] = _downsample(session, run_id, key, lo, hi, max_points)
+    if large:
+        from .rollups import downsample
+
+        out.update(downsample(session, run_id, large, max_points))
+        # the last point always stays, even when it is neither a minimum nor a maximum (or is NaN)
+        lasts = session.execute(
+            select(Metric.key, Metric.step, Metric.value).where(
+                Metric.run_id == run_id, tuple_(Metric.key, Metric.step).in_([(k, hi) for k, (_, hi) in large.items()])
+            )
+        )
+        for key, step, value in lasts:
+            if not out[key] or out[key][-1][0] != step:
+                out[key].append([step, value])
     return out
-
-
-def _downsample(session: Session, run_id: str, key: str, lo: int, hi: int, max_points: int) -> list[list[float | None]]:
-    buckets = max(1, (max_points - 1) // 2)  # two points per bucket, plus the last point
-    span = hi - lo + 1
-    bucket = ((Metric.step - lo) * buckets // span).label("bucket")  # integer division on both databases
-    ranked = (
-        select(
-            Metric.step,
-            Metric.value,
-            func.row_number().over(partition_by=bucket, order_by=(Metric.value.asc(), Metric.step.asc())).label("rmin"),
-            func.row_number()
-            .over(partition_by=bucket, order_by=(Metric.value.desc(), Metric.step.asc()))
-            .label("rmax"),
-        )
-        .where(
-            Metric.run_id == run_id, Metric.key == key, Metric.step >= lo, Metric.step <= hi, Metric.value.is_not(None)
-        )
-        .subquery()
-    )
-    rows = session.execute(
-        select(ranked.c.step, ranked.c.value).where(or_(ranked.c.rmin == 1, ranked.c.rmax == 1)).order_by(ranked.c.step)
-    ).all()
-    points = [[step, value] for step, value in rows]
-    last = session.execute(
-        select(Metric.step, Metric.value).where(Metric.run_id == run_id, Metric.key == key, Metric.step == hi)
-    ).first()
-    if last is not None and (not points or points[-1][0] != last[0]):
-        points.append([last[0], last[1]])
-    return points
 
 
 # ---------------------------------------------------------------------------------------------- events

@@ -19,7 +19,19 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from ..db import session_scope
-from ..models import ENDED, Checkpoint, Event, Image, Metric, Run, RunTag, Sample, SampleImage, utcnow
+from ..models import (
+    ENDED,
+    Checkpoint,
+    Event,
+    Image,
+    Metric,
+    MetricRollup,
+    Run,
+    RunTag,
+    Sample,
+    SampleImage,
+    utcnow,
+)  # fmt: skip
 from .images import image_info, write_image
 
 NULL_REWARD = -1e300  # reward_sort of unscorable rows: below any real reward
@@ -162,15 +174,38 @@ class StoreWriter:
 
     # -------------------------------------------------------------- metrics
     def append_metrics(self, run_id: str, step: int, metrics: Mapping[str, Any]) -> None:
-        rows = [{"run_id": run_id, "key": k, "step": step, "value": _clean(v)} for k, v in metrics.items()]
-        if not rows:
+        """Upsert one step's metrics and fold them into the per-bucket rollups, in one transaction."""
+        from . import rollups
+
+        values = {k: _clean(v) for k, v in metrics.items()}
+        if not values:
             return
+        rows = [{"run_id": run_id, "key": k, "step": step, "value": v} for k, v in values.items()]
         with session_scope(self.engine) as session:
+            before = dict(
+                session.execute(
+                    select(Metric.key, Metric.value).where(
+                        Metric.run_id == run_id, Metric.step == step, Metric.key.in_(list(values))
+                    )
+                ).all()
+            )
             stmt = dialect_insert(session, Metric.__table__)
             stmt = stmt.on_conflict_do_update(
                 index_elements=["run_id", "key", "step"], set_={"value": stmt.excluded.value}
             )
             session.execute(stmt, rows)
+            # a rewrite with another value may remove a bucket's extreme: rebuild those buckets from the raw points
+            changed = [k for k, v in values.items() if k in before and before[k] != v]
+            fresh = {k: v for k, v in values.items() if k not in before and v is not None}
+            rollups.add_points(session, run_id, step, fresh)
+            rollups.recompute(session, run_id, changed, [step])
+
+    def truncate_metrics(self, run_id: str, after_step: int) -> None:
+        """Remove every metric after ``after_step`` (a run resumed from the checkpoint at that step)."""
+        from . import rollups
+
+        with session_scope(self.engine) as session:
+            rollups.truncate(session, run_id, after_step)
 
     # -------------------------------------------------------------- samples
     def append_samples(self, run_id: str, step: int, rows: Iterable[Any]) -> int:
@@ -251,7 +286,7 @@ class StoreWriter:
             # children first: SQLite enforces the cascades, but deleting explicitly keeps it one fast statement each
             sample_ids = select(Sample.id).where(Sample.run_id == run_id)
             session.execute(delete(SampleImage).where(SampleImage.sample_id.in_(sample_ids)))
-            for table in (Sample, Metric, Event, Checkpoint, RunTag):
+            for table in (Sample, Metric, MetricRollup, Event, Checkpoint, RunTag):
                 session.execute(delete(table).where(table.run_id == run_id))
             session.execute(update(Run).where(Run.parent_id == run_id).values(parent_id=None))
             session.execute(delete(Run).where(Run.id == run_id))
