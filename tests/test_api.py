@@ -643,3 +643,25 @@ def test_downsampled_series_follow_rewrites_and_truncation(api):
     assert [2050, -5.0] in series()
     inner = series(from_step=500, to_step=1500)
     assert inner[0][0] >= 500 and inner[-1][0] == 1500
+
+
+def test_migration_0004_backfills_rollups_of_existing_metrics(tmp_path):
+    from sqlalchemy import text
+
+    from app.db import make_engine, upgrade
+    from app.store.rollups import downsample
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade(url, "0003")
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name, algorithm, config, status, step, max_steps, model_path, "
+                          "dataset_source, created_at, updated_at, attempt, warning_count) VALUES ('r', 'n', 'grpo', "
+                          "'{}', 'succeeded', 0, 0, '', '', '2026-01-01 00:00:00', '2026-01-01 00:00:00', 1, 0)"))  # fmt: skip
+        conn.execute(text("INSERT INTO metrics (run_id, key, step, value) VALUES ('r', 'loss', :s, :v)"),
+                     [{"s": s, "v": float(s % 97) - (300.0 if s == 1234 else 0.0)} for s in range(1, 5001)])  # fmt: skip
+    upgrade(url)
+    with Session(engine) as session:
+        points = downsample(session, "r", {"loss": (1, 5000)}, 101)["loss"]
+    assert [1234, 1234 % 97 - 300.0] in points and len(points) <= 101
+    engine.dispose()
