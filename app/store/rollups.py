@@ -47,6 +47,24 @@ def add_points(session: Session, run_id: str, step: int, values: dict[str, float
         session.execute(_upsert_stmt(session), rows)
 
 
+def _fold_and_insert(
+    session: Session, run_id: str, points: Iterable[tuple[str, int, float]], widths: Sequence[int]
+) -> None:
+    """Each (key, width, bucket)'s min and max point (earliest on ties) of ``points``, inserted as rollups."""
+    best: dict[tuple[str, int, int], list] = {}
+    for key, step, value in points:
+        for w in widths:
+            entry = best.setdefault((key, w, step // w), [step, value, step, value])
+            if value < entry[1] or (value == entry[1] and step < entry[0]):
+                entry[0], entry[1] = step, value
+            if value > entry[3] or (value == entry[3] and step < entry[2]):
+                entry[2], entry[3] = step, value
+    rows = [{"run_id": run_id, "key": k, "width": w, "bucket": b, "min_step": e[0], "min_value": e[1],
+             "max_step": e[2], "max_value": e[3]} for (k, w, b), e in best.items()]  # fmt: skip
+    for start in range(0, len(rows), 5000):
+        session.execute(MetricRollup.__table__.insert(), rows[start : start + 5000])
+
+
 def recompute(session: Session, run_id: str, keys: Iterable[str], steps: Iterable[int]) -> None:
     """Rebuild, from the raw values, the buckets of ``keys`` that hold any of ``steps``."""
     keys, steps = list(keys), list(steps)
@@ -61,42 +79,21 @@ def recompute(session: Session, run_id: str, keys: Iterable[str], steps: Iterabl
             )
         )  # fmt: skip
         ranges = or_(*(and_(Metric.step >= b * w, Metric.step < (b + 1) * w) for b in buckets))
-        best: dict[tuple[str, int], list] = {}
-        for key, step, value in session.execute(
-            select(Metric.key, Metric.step, Metric.value)
-            .where(Metric.run_id == run_id, Metric.key.in_(keys), Metric.value.is_not(None), ranges)
-            .order_by(Metric.key, Metric.step)
-        ):
-            entry = best.setdefault((key, step // w), [step, value, step, value])
-            if value < entry[1]:
-                entry[0], entry[1] = step, value
-            if value > entry[3]:
-                entry[2], entry[3] = step, value
-        if best:
-            session.execute(
-                MetricRollup.__table__.insert(),
-                [{"run_id": run_id, "key": k, "width": w, "bucket": b, "min_step": e[0], "min_value": e[1],
-                  "max_step": e[2], "max_value": e[3]} for (k, b), e in best.items()],
-            )  # fmt: skip
+        points = session.execute(
+            select(Metric.key, Metric.step, Metric.value).where(
+                Metric.run_id == run_id, Metric.key.in_(keys), Metric.value.is_not(None), ranges
+            )
+        )
+        _fold_and_insert(session, run_id, points, [w])
 
 
 def rebuild(session: Session, run_id: str) -> None:
     """Recompute all of a run's rollups from its raw points (after a bulk load that bypassed the writer)."""
     session.execute(delete(MetricRollup).where(MetricRollup.run_id == run_id))
-    best: dict[tuple[str, int, int], list] = {}
-    for key, step, value in session.execute(
+    points = session.execute(
         select(Metric.key, Metric.step, Metric.value).where(Metric.run_id == run_id, Metric.value.is_not(None))
-    ):
-        for w in WIDTHS:
-            entry = best.setdefault((key, w, step // w), [step, value, step, value])
-            if value < entry[1] or (value == entry[1] and step < entry[0]):
-                entry[0], entry[1] = step, value
-            if value > entry[3] or (value == entry[3] and step < entry[2]):
-                entry[2], entry[3] = step, value
-    rows = [{"run_id": run_id, "key": k, "width": w, "bucket": b, "min_step": e[0], "min_value": e[1],
-             "max_step": e[2], "max_value": e[3]} for (k, w, b), e in best.items()]  # fmt: skip
-    for start in range(0, len(rows), 5000):
-        session.execute(MetricRollup.__table__.insert(), rows[start : start + 5000])
+    )
+    _fold_and_insert(session, run_id, points, WIDTHS)
 
 
 def truncate(session: Session, run_id: str, after_step: int) -> None:
