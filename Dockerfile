@@ -1,23 +1,31 @@
-# One image for the web app and the GPU workers. GPU hosts: build with a CUDA base, e.g.
-#   docker build --build-arg BASE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime -t collage .
+# Collage's images, installed from the wheel (never an editable checkout). One Dockerfile, two images:
+#   web node (no torch):  docker build -t collage-web .
+#   GPU worker:           docker build --build-arg EXTRAS=worker,postgres,redis \
+#                           --build-arg BASE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime -t collage-worker .
 ARG BASE=python:3.11-slim
-FROM ${BASE}
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 COLLAGE_HOME=/data
-WORKDIR /opt/collage
-
-COPY pyproject.toml README.md ./
+FROM python:3.11-slim AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md LICENSE ./
 COPY app ./app
 COPY worker ./worker
 COPY training ./training
 COPY templates ./templates
 COPY migrations ./migrations
-COPY examples ./examples
-# editable: templates/, migrations/ and app/static/ are read from this folder
-RUN pip install --no-cache-dir -e .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 
+FROM ${BASE}
+# the extras this image installs: web,postgres,redis for the web node, worker,postgres,redis for GPU workers
+ARG EXTRAS=web,postgres,redis
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 COLLAGE_HOME=/data
+COPY --from=wheel /dist /tmp/dist
+RUN pip install --no-cache-dir "$(ls /tmp/dist/collage_rl-*.whl)[${EXTRAS}]" && rm -rf /tmp/dist
+COPY examples /opt/collage/examples
+
+# never root: the web node and the workers run as this user
 RUN useradd --create-home --uid 1000 collage && mkdir -p /data && chown collage /data
 USER collage
+WORKDIR /home/collage
 VOLUME ["/data"]
 EXPOSE 8000
 # the web node; workers override the command (see docker-compose.yml)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 
 def _cmd_build_tiny(args: argparse.Namespace) -> int:
-    from training.models.tiny import build_tiny
+    from collage.training.models.tiny import build_tiny
 
     out = build_tiny(args.family, args.out)
     print(f"built tiny {args.family} model in {out}")
@@ -21,7 +21,7 @@ def _cmd_build_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from training.data.synth import write_synth
+    from collage.training.data.synth import write_synth
 
     file = write_synth(
         args.task,
@@ -38,7 +38,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from training.data.check import check_dataset
+    from collage.training.data.check import check_dataset
 
     if args.max_prompt_length is not None and args.model is None:
         print("collage: error: --max-prompt-length needs --model to count the prompt's tokens", file=sys.stderr)
@@ -64,8 +64,8 @@ def _cmd_preview(args: argparse.Namespace) -> int:
     import io
     from pathlib import Path
 
-    from training.data.loader import load_dataset
-    from training.data.rows import RowError
+    from collage.training.data.loader import load_dataset
+    from collage.training.data.rows import RowError
 
     from .store.images import write_image
 
@@ -119,13 +119,23 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from .extras import require
+
+    require("web", "collage serve")
+    if args.workers:
+        require(
+            "worker", f"collage serve --workers {args.workers} (embedded training workers; --workers 0 serves only)"
+        )
     from .serve import serve
 
     return serve(args.host, args.port, args.workers)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from worker.main import run_worker
+    from .extras import require
+
+    require("worker", "collage worker")
+    from collage.worker.main import run_worker
 
     gpus = [int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else []
     queues = [q for q in args.queues.split(",") if q]
@@ -142,17 +152,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from training.config import ConfigError, load_config
-    from training.trainer import Trainer, TrainingError
+    from collage.training.config import load_config
+    from collage.training.trainer import Trainer
 
     from .progress import ProgressBar
 
-    try:
-        config = load_config(args.config, args.set)
-    except ConfigError as exc:
-        for path, message in exc.errors:
-            print(f"collage: config error: {path}: {message}", file=sys.stderr)
-        return 2
+    config = load_config(args.config, args.set)
     out = Path(args.out or Path("out") / config.name)
     if not args.resume and (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size:
         print(
@@ -160,25 +165,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from training.output import OutputFolder
+    from collage.training.output import OutputFolder
 
     bar = ProgressBar(enabled=not args.quiet)
     try:
         result = Trainer(config, out, [OutputFolder(out), bar], resume=args.resume).train()
-    except TrainingError as exc:
+    finally:
         bar.close()
-        print(f"collage: training failed: {exc}", file=sys.stderr)
-        return 1
-    bar.close()
     print(f"run {config.name} {result.status} at step {result.step}; output in {out}")
     return 0 if result.status == "succeeded" else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from training.data.synth import TASKS
-    from training.models.families import TINY_FAMILIES
+    from collage.training.data.synth import TASKS
+    from collage.training.models.families import TINY_FAMILIES
+
+    from .version import collage_version
 
     parser = argparse.ArgumentParser(prog="collage", description="GRPO/RLOO fine-tuning of multi-image VLMs.")
+    parser.add_argument("--version", action="version", version=f"collage {collage_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     models = commands.add_parser("models", help="build and inspect models").add_subparsers(dest="sub", required=True)
@@ -265,18 +270,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from training.data.loader import DatasetError
-    from training.data.synth import SynthError
-    from training.models.families import UnsupportedModelError
-    from training.models.loading import ProcessorError
-
-    from .db import DatabaseNotMigrated
+    from collage.training.config import ConfigError
+    from collage.training.errors import CollageError
 
     try:
         return args.func(args)
-    except (
-        DatasetError, SynthError, UnsupportedModelError, ProcessorError, FileExistsError, OSError, DatabaseNotMigrated
-    ) as exc:  # fmt: skip
+    except ConfigError as exc:
+        for path, message in exc.errors:
+            print(f"collage: config error: {path}: {message}", file=sys.stderr)
+        return exc.exit_code
+    except CollageError as exc:
+        print(f"collage: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ModuleNotFoundError as exc:
+        from .extras import missing_extra
+
+        missing = missing_extra(exc, f"collage {args.command}")
+        if missing is None:
+            raise
+        print(f"collage: error: {missing}", file=sys.stderr)
+        return missing.exit_code
+    except OSError as exc:  # the file system's word (permissions, a full disk, a folder that exists)
         print(f"collage: error: {exc}", file=sys.stderr)
         return 2
 

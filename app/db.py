@@ -15,10 +15,10 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, create_engine
 
-MIGRATIONS = Path(__file__).resolve().parents[1] / "migrations"
+from collage.training.errors import CollageError
 
 
-class DatabaseNotMigrated(RuntimeError):
+class DatabaseNotMigrated(CollageError, RuntimeError):
     pass
 
 
@@ -50,6 +50,10 @@ def make_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
+    if url.startswith("postgresql"):
+        from .extras import require
+
+        require("postgres", "a PostgreSQL store (COLLAGE_DATABASE_URL)")
     # psycopg prepares repeated statements; a generic plan would use the trigram index even for very common
     # search terms (measured: 0.9 ms -> 157 ms), so plan every execution for its parameters
     return create_engine(
@@ -78,11 +82,17 @@ def session_scope(engine: Engine) -> Iterator[Session]:
             raise
 
 
+def migrations_dir() -> Path:
+    """The migrations shipped as package data of ``collage.migrations`` (alembic.ini beside them)."""
+    import collage.migrations
+
+    return Path(collage.migrations.__file__).resolve().parent
+
+
 def alembic_config(url: str):
     from alembic.config import Config
 
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
+    config = Config(str(migrations_dir() / "alembic.ini"))
     config.set_main_option("sqlalchemy.url", normalise_url(url).replace("%", "%%"))
     return config
 
@@ -103,7 +113,9 @@ def upgrade(url: str, revision: str = "head") -> None:
 def head_revision() -> str:
     from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    assert head is not None, "Collage ships its migrations"
+    return head
 
 
 def current_revision(engine: Engine) -> str | None:

@@ -10,40 +10,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from collage.training.config import error_message, error_path, format_errors
+
 from .db import check_migrated, engine_for
 from .dispatch import Dispatcher
 from .limits import BodySizeLimit
 from .settings import Settings, get_settings
 from .store.writer import StoreWriter
+from .version import collage_version
 
 API = "/api/v1"
 
 
 def loc_path(loc: tuple[Any, ...] | list[Any]) -> str:
-    """``("body", "train", "loss_type")`` -> ``train.loss_type``; list indices as ``rewards[0]``."""
-    parts: list[str] = []
+    """``("body", "train", "loss_type")`` -> ``train.loss_type``; a query or path parameter as ``query.name``."""
     items = list(loc)
     if items and items[0] in ("body", "query", "path", "header"):
         where, items = items[0], items[1:]
         if where != "body" and items:
             return f"{where}.{items[0]}"
-    for item in items:
-        if isinstance(item, int) and parts:
-            parts[-1] = f"{parts[-1]}[{item}]"
-        elif isinstance(item, str) and not item.startswith(("function-", "literal[")):
-            parts.append(item)
-    return ".".join(parts) or "body"
-
-
-def _message(err: dict[str, Any]) -> str:
-    if err.get("type") == "extra_forbidden":
-        return "unknown key"
-    if err.get("type") == "json_invalid":
-        return f"malformed JSON: {err.get('ctx', {}).get('error', 'cannot be parsed')}"
-    message = str(err.get("msg", "invalid"))
-    if err.get("type") == "literal_error":
-        return "must be one of " + message.removeprefix("Input should be ")
-    return message.removeprefix("Value error, ")
+    return error_path(items) or "body"
 
 
 def validation_response(errors: list[tuple[str, str]]) -> JSONResponse:
@@ -60,7 +46,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
 
     app = FastAPI(
         title="Collage",
-        version="0.1.0",
+        version=collage_version(),
         description="Launch, run and inspect GRPO/RLOO fine-tuning of multi-image VLMs.",
         openapi_url=f"{API}/openapi.json",
         docs_url=f"{API}/docs",
@@ -88,7 +74,16 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [(loc_path(e["loc"]), _message(e)) for e in exc.errors()]
+        errors: list[tuple[str, str]] = []
+        for e in exc.errors():
+            loc = list(e["loc"])
+            if loc == ["body"] and "json" not in request.headers.get("content-type", "json"):
+                ctype = request.headers.get("content-type")
+                errors.append(("body", f"must be a JSON object sent as application/json (got {ctype})"))
+            elif loc[:1] == ["body"]:  # a run config (or another body): the CLI's key paths and wording
+                errors += format_errors([{**e, "loc": loc[1:]}], root="body")
+            else:
+                errors.append((loc_path(loc), error_message(e)))
         if request.method == "POST" and request.url.path == f"{API}/runs":
             from .validation import raw_semantic_errors
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, ForeignKey, Index, Integer, String, Table, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
-RUN_STATUSES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
-ENDED = ("succeeded", "failed", "cancelled")
+from .status import ENDED, RunStatus  # noqa: F401 - re-exported for the store
 
 
 def utcnow() -> datetime:
@@ -27,7 +26,7 @@ class Run(SQLModel, table=True):
     name: str = Field(max_length=200)
     algorithm: str = Field(max_length=16)
     config: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
-    status: str = Field(default="queued", max_length=16)
+    status: str = Field(default=RunStatus.QUEUED.value, max_length=16)  # a RunStatus value
     step: int = 0
     max_steps: int = 0
     model_path: str = Field(default="", max_length=500)
@@ -193,3 +192,8 @@ class MetricRollup(SQLModel, table=True):
     min_value: float
     max_step: int
     max_value: float
+
+
+def table_of(model: type[SQLModel]) -> Table:
+    """A table model's Core table (``Model.__table__``, which SQLModel's type hints do not declare)."""
+    return model.__table__  # type: ignore[attr-defined]

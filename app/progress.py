@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from training.callbacks import Callback
+from collage.training.callbacks import Callback
 
 
 class ProgressBar(Callback):

@@ -37,8 +37,8 @@ def ensure_token(engine, home: Path) -> str:
 def serve(host: str, port: int, workers: int) -> int:
     import uvicorn
 
-    from worker.dispatcher import CeleryDispatcher
-    from worker.reaper import Reaper
+    from collage.worker.dispatcher import CeleryDispatcher
+    from collage.worker.reaper import Reaper
 
     from .main import create_app
 
@@ -79,7 +79,9 @@ class WorkerPool(threading.Thread):
         self.stopping = threading.Event()
 
     def _spawn(self, name: str) -> None:
-        self.children[name] = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--quiet", "--name", name])
+        self.children[name] = subprocess.Popen(
+            [sys.executable, "-m", "collage.app.cli", "worker", "--quiet", "--name", name]
+        )
 
     def start(self) -> None:
         for name in self.names:

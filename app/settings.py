@@ -8,6 +8,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+# every variable Settings.from_env reads (docker-compose.yml may set only these)
+ENV_VARS = (
+    "COLLAGE_HOME",
+    "COLLAGE_DATABASE_URL",
+    "COLLAGE_BROKER_URL",
+    "COLLAGE_ARTIFACTS",
+    "COLLAGE_HEARTBEAT_INTERVAL",
+    "COLLAGE_HEARTBEAT_TIMEOUT",
+    "COLLAGE_CANCEL_GRACE",
+)
+
 
 @dataclass(frozen=True)
 class Settings:

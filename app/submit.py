@@ -11,8 +11,7 @@ import httpx
 import yaml
 
 from .settings import get_settings
-
-ENDED = ("succeeded", "failed", "cancelled")
+from .status import ENDED, RunStatus
 
 
 def _token(explicit: str | None) -> str | None:
@@ -25,7 +24,7 @@ def _token(explicit: str | None) -> str | None:
 
 
 def submit(config_path: str, overrides: list[str], server: str | None, token: str | None, follow: bool) -> int:
-    from training.config import ConfigError, apply_overrides
+    from collage.training.config import ConfigError, apply_overrides, parse_override
 
     server = (server or os.environ.get("COLLAGE_SERVER") or "http://127.0.0.1:8000").rstrip("/")
     token = _token(token)
@@ -40,7 +39,7 @@ def submit(config_path: str, overrides: list[str], server: str | None, token: st
         print(f"collage: error: config file not found: {file}", file=sys.stderr)
         return 2
     try:
-        data = apply_overrides(yaml.safe_load(file.read_text()) or {}, overrides)
+        data = apply_overrides(yaml.safe_load(file.read_text()) or {}, [parse_override(o) for o in overrides])
     except (yaml.YAMLError, ConfigError) as exc:
         print(f"collage: error: {exc}", file=sys.stderr)
         return 2
@@ -67,7 +66,7 @@ def submit(config_path: str, overrides: list[str], server: str | None, token: st
 def _follow(client: httpx.Client, run_id: str) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    status, seen_events = "queued", None
+    status, seen_events = RunStatus.QUEUED, None
     with Progress(
         TextColumn("[bold]{task.fields[status]}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
         TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -105,7 +104,7 @@ def _follow(client: httpx.Client, run_id: str) -> int:
                 last_print = line
             if status in ENDED:
                 break
-            if status == "queued" and not warned and time.monotonic() - queued_since > 15:
+            if status == RunStatus.QUEUED and not warned and time.monotonic() - queued_since > 15:
                 queue = (run.get("config") or {}).get("resources", {}).get("queue", "default")
                 workers = client.get("/health").json().get("workers", [])
                 if not any(queue in w["queues"] for w in workers):
@@ -114,4 +113,4 @@ def _follow(client: httpx.Client, run_id: str) -> int:
                 warned = True
             time.sleep(1)
     print(f"run {run_id} {status}" + (f": {run['error'].splitlines()[-1]}" if run.get("error") else ""))
-    return 0 if status == "succeeded" else 1
+    return 0 if status == RunStatus.SUCCEEDED else 1

@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from training.config import RunConfig
-from training.data.synth import TASKS, Task
-from training.models.families import TINY_FAMILIES
-from training.rewards.builtins import BUILTINS
+from collage.training.config import RunConfig
+from collage.training.data.synth import TASKS, Task
+from collage.training.models.families import TINY_FAMILIES
+from collage.training.rewards.builtins import BUILTINS
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")

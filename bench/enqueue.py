@@ -34,12 +34,12 @@ def main() -> None:
     from fastapi.testclient import TestClient
     from sqlmodel import Session
 
-    from app.db import engine_for, upgrade
-    from app.main import create_app
-    from app.models import Run
-    from app.settings import Settings
-    from app.store.tokens import create_token
-    from worker.dispatcher import CeleryDispatcher
+    from collage.app.db import engine_for, upgrade
+    from collage.app.main import create_app
+    from collage.app.models import Run
+    from collage.app.settings import Settings
+    from collage.app.store.tokens import create_token
+    from collage.worker.dispatcher import CeleryDispatcher
 
     settings = Settings.from_env()
     upgrade(settings.database_url)
@@ -47,7 +47,7 @@ def main() -> None:
     client = TestClient(create_app(settings, CeleryDispatcher(settings, engine)),
                         headers={"Authorization": f"Bearer {create_token(engine, 'bench')}"})  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    worker = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--name", "bench"], env=env, cwd=ROOT,
+    worker = subprocess.Popen([sys.executable, "-m", "collage.app.cli", "worker", "--name", "bench"], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     config = {
         "model": {"path": "tiny:qwen2-vl"}, "dataset": {"source": "synth:count-red", "rows": 8},

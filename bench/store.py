@@ -35,10 +35,10 @@ sys.path.insert(0, str(ROOT))
 
 from sqlalchemy import insert, update  # noqa: E402
 
-from app.db import engine_for, upgrade  # noqa: E402
-from app.models import Image, Run  # noqa: E402
-from app.store.images import relative_path  # noqa: E402
-from app.store.writer import NULL_REWARD, StoreWriter, prompt_text  # noqa: E402
+from collage.app.db import engine_for, upgrade  # noqa: E402
+from collage.app.models import Image, Run  # noqa: E402
+from collage.app.store.images import relative_path  # noqa: E402
+from collage.app.store.writer import NULL_REWARD, StoreWriter, prompt_text  # noqa: E402
 
 API = "/api/v1"
 PAGE = 50  # rows per samples page
@@ -226,8 +226,8 @@ def fill(store: Store, args: argparse.Namespace, artifacts: Path) -> None:
     finally:
         raw.close()
     # the bulk load bypassed the writer, which keeps the metric rollups: build them as it would have
-    from app.db import session_scope
-    from app.store.rollups import rebuild
+    from collage.app.db import session_scope
+    from collage.app.store.rollups import rebuild
 
     rollup_started = time.perf_counter()
     for run_id in store.metric_run_ids:
@@ -369,9 +369,9 @@ def _check(query: Query, response) -> None:
 def measure(store: Store, args: argparse.Namespace, home: Path) -> list[tuple[str, float, float]]:
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from app.settings import Settings
-    from app.store.tokens import create_token
+    from collage.app.main import create_app
+    from collage.app.settings import Settings
+    from collage.app.store.tokens import create_token
 
     settings = Settings(home=home, database_url=store.url, broker_url="memory://", artifacts=home / "artifacts")
     app = create_app(settings, Dispatcher())

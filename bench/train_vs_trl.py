@@ -49,9 +49,9 @@ def _peak_memory_mb(device: str) -> float:
 
 
 def run_collage(algorithm: str, family: str, steps: int, device: str, data: str) -> dict:
-    from training.callbacks import Callback
-    from training.config import parse_config
-    from training.trainer import Trainer
+    from collage.training.callbacks import Callback
+    from collage.training.config import parse_config
+    from collage.training.trainer import Trainer
 
     times: list[float] = []
     timings: list[dict] = []
@@ -86,8 +86,8 @@ def run_trl(algorithm: str, family: str, steps: int, device: str, data: str) -> 
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
 
-    from training.data.loader import load_dataset
-    from training.models.loading import resolve_model_path
+    from collage.training.data.loader import load_dataset
+    from collage.training.models.loading import resolve_model_path
 
     path = resolve_model_path(f"tiny:{family}")
     processor = AutoProcessor.from_pretrained(path)
@@ -152,7 +152,7 @@ def main() -> None:
         print("RESULT " + json.dumps(fn(algorithm, args.family, args.steps, args.device, args.data)))
         return
 
-    from training.data.synth import write_synth
+    from collage.training.data.synth import write_synth
 
     data = Path(tempfile.mkdtemp()) / "count-red"
     write_synth("count-red", data, rows=128, min_images=1, max_images=3, seed=0)

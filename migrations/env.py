@@ -1,4 +1,5 @@
-"""Alembic environment: the URL comes from the config Collage builds (``app.db.alembic_config``)."""
+"""Alembic environment: the URL comes from the config Collage builds (``collage.app.db.alembic_config``), or
+from COLLAGE_DATABASE_URL when Alembic is run by hand with ``-c migrations/alembic.ini``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from alembic import context
 from sqlalchemy import engine_from_config, pool
 from sqlmodel import SQLModel
 
-import app.models  # noqa: F401  - registers the tables on SQLModel.metadata
+import collage.app.models  # noqa: F401  - registers the tables on SQLModel.metadata
 
 config = context.config
 target_metadata = SQLModel.metadata
@@ -21,6 +22,11 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     connectable = config.attributes.get("connection")
     if connectable is None:
+        if not config.get_main_option("sqlalchemy.url"):
+            from collage.app.db import normalise_url
+            from collage.app.settings import get_settings
+
+            config.set_main_option("sqlalchemy.url", normalise_url(get_settings().database_url).replace("%", "%%"))
         engine = engine_from_config(
             config.get_section(config.config_ini_section, {}), prefix="sqlalchemy.", poolclass=pool.NullPool
         )

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh machine: set up, lint, then pytest. Extra arguments go to pytest.
+# The whole test suite, from a fresh machine: set up, lint, type-check, pytest, then the wheel smoke test
+# (the built wheel in fresh virtual environments). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -7,4 +8,6 @@ bash scripts/services.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+bash scripts/typecheck.sh
 .venv/bin/python -m pytest "$@"
+bash scripts/wheel_smoke.sh

@@ -11,13 +11,13 @@ os.environ["COLLAGE_HOME"] = tempfile.mkdtemp(prefix="collage-test-home-")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from training.models.families import FAMILIES, TINY_FAMILIES  # noqa: E402
+from collage.training.models.families import FAMILIES, TINY_FAMILIES
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """The folder of a tiny model of ``family``, built once per session through ``tiny:<family>``."""
-    from training.models.loading import resolve_model_path
+    from collage.training.models.loading import resolve_model_path
 
     def get(family: str) -> Path:
         return Path(resolve_model_path(f"tiny:{family}"))
@@ -30,7 +30,7 @@ def tiny(tiny_model_dir):
     """``(model, processor, family)`` for a tiny model, float32, eval mode; cached per family."""
     import torch
 
-    from training.models.loading import load_model, load_processor
+    from collage.training.models.loading import load_model, load_processor
 
     cache: dict[str, tuple] = {}
 
@@ -47,7 +47,7 @@ def tiny(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def count_red_dir(tmp_path_factory):
-    from training.data.synth import write_synth
+    from collage.training.data.synth import write_synth
 
     out = tmp_path_factory.mktemp("count-red")
     write_synth("count-red", out, rows=12, min_images=0, max_images=3, seed=7)
@@ -95,7 +95,7 @@ def postgres_url():
         conn.execute(f'CREATE DATABASE "{name}"')
     base = PG_ADMIN_URL.rsplit("/", 1)[0]
     yield f"{base}/{name}"
-    from app.db import engine_for
+    from collage.app.db import engine_for
 
     engine_for.cache_clear()
     with psycopg.connect(admin, autocommit=True) as conn:
@@ -104,7 +104,7 @@ def postgres_url():
 
 @pytest.fixture(scope="session")
 def migrated_sqlite_url(tmp_path_factory):
-    from app.db import upgrade
+    from collage.app.db import upgrade
 
     url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'collage.db'}"
     upgrade(url)
@@ -113,7 +113,7 @@ def migrated_sqlite_url(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def migrated_postgres_url(postgres_url):
-    from app.db import upgrade
+    from collage.app.db import upgrade
 
     upgrade(postgres_url)
     return postgres_url
@@ -122,7 +122,7 @@ def migrated_postgres_url(postgres_url):
 def _truncate(url: str) -> None:
     from sqlalchemy import text
 
-    from app.db import engine_for
+    from collage.app.db import engine_for
 
     engine = engine_for(url)
     tables = [
@@ -180,10 +180,10 @@ def api(database_url, tmp_path):
     """``(client, token, dispatcher, app)`` on a real app and database; the dispatcher is a test double."""
     from fastapi.testclient import TestClient
 
-    from app.db import engine_for
-    from app.main import create_app
-    from app.settings import Settings
-    from app.store.tokens import create_token
+    from collage.app.db import engine_for
+    from collage.app.main import create_app
+    from collage.app.settings import Settings
+    from collage.app.store.tokens import create_token
 
     settings = Settings(
         home=tmp_path, database_url=database_url, broker_url="memory://", artifacts=tmp_path / "artifacts"

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import random
+import socket
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from PIL import Image
 from sqlalchemy import event, func, select
 from sqlmodel import Session
 
-from app.store.writer import ImageIn, SampleIn
+from collage.app.store.writer import ImageIn, SampleIn
 
 API = "/api/v1"
 
@@ -74,7 +75,7 @@ def test_every_route_but_health_needs_a_token(api):
 
 def test_tokens_are_stored_hashed(api):
     client, token, _, app = api
-    from app.models import ApiToken
+    from collage.app.models import ApiToken
 
     with Session(app.state.engine) as session:
         stored = session.scalars(select(ApiToken)).all()
@@ -101,7 +102,7 @@ def test_create_run_stores_it_queued_and_dispatches(api):
 
 def test_a_bad_config_lists_every_bad_field_and_writes_nothing(api):
     client, _, dispatcher, app = api
-    from app.models import Run
+    from collage.app.models import Run
 
     bad = config(
         algorithm="ppo",
@@ -143,12 +144,12 @@ def test_a_bad_config_lists_every_bad_field_and_writes_nothing(api):
     [
         (b'{"name": "x", ', "application/json", "malformed JSON"),
         (b"[1, 2]", "application/json", "valid dictionary"),
-        (b"name: x", "text/yaml", ""),
+        (b"name: x", "text/yaml", "application/json"),
     ],
 )
 def test_malformed_bodies_are_422_and_write_nothing(api, body, content_type, needle):
     client, _, dispatcher, app = api
-    from app.models import Run
+    from collage.app.models import Run
 
     response = client.post(API + "/runs", content=body, headers={"Content-Type": content_type})
     assert response.status_code == 422, response.text
@@ -158,7 +159,7 @@ def test_malformed_bodies_are_422_and_write_nothing(api, body, content_type, nee
 
 def test_oversized_bodies_are_refused(api):
     client, _, dispatcher, app = api
-    from app.models import Run
+    from collage.app.models import Run
 
     huge = config(name="x" * 10, tags=["t" * 100] * 20_000)
     response = client.post(API + "/runs", json=huge)
@@ -228,7 +229,9 @@ def test_cancel_resume_clone_delete(api):
     assert client.post(f"{API}/runs/{queued}/cancel").status_code == 409
 
     running = client.post(API + "/runs", json=config()).json()["id"]
-    writer.set_status(running, "running", worker="w1")
+    from collage.worker.supervisor import claim
+
+    assert claim(app.state.engine, running, "w1") is not None  # as a worker takes it
     assert client.post(f"{API}/runs/{running}/cancel").json()["status"] == "cancelling"
     assert dispatcher.cancelled == [running]
     assert client.delete(f"{API}/runs/{running}").status_code == 409
@@ -246,6 +249,16 @@ def test_cancel_resume_clone_delete(api):
     assert cloned["name"] == "api-test-clone"
     bad = client.post(f"{API}/runs/{queued}/clone", json={"overrides": {"train": {"loss_type": "x"}}})
     assert bad.status_code == 422 and bad.json()["detail"][0]["path"] == "train.loss_type"
+    # the same rule as `--set`: a mapping merges, a null mapping on the way is created
+    merged = client.post(
+        f"{API}/runs/{queued}/clone", json={"overrides": {"train": {"learning_rate": 0.001}, "model.lora": {"r": 4}}}
+    )
+    merged_config = client.get(merged.json()["url"]).json()["config"]
+    assert merged_config["train"]["learning_rate"] == 0.001 and merged_config["train"]["max_steps"] == 5
+    assert merged_config["model"]["lora"]["r"] == 4 and merged_config["model"]["lora"]["alpha"] == 16
+    through = client.post(f"{API}/runs/{queued}/clone", json={"overrides": {"train.max_steps.x": 1}})
+    assert through.status_code == 422
+    assert through.json()["detail"] == [{"path": "train.max_steps.x", "message": "train.max_steps is not a mapping"}]
 
     assert client.delete(f"{API}/runs/{queued}").status_code == 204
     assert client.get(f"{API}/runs/{queued}").status_code == 404
@@ -263,7 +276,7 @@ def test_metric_writes_are_idempotent(api):
     w.append_metrics(run, 1, {"reward": 0.1, "loss": 2.0})
     w.append_metrics(run, 1, {"reward": 0.3})  # a re-write of step 1 replaces, never duplicates
     w.append_metrics(run, 2, {"reward": float("nan")})
-    from app.models import Metric
+    from collage.app.models import Metric
 
     assert _count(app, Metric) == 3
     got = client.get(f"{API}/runs/{run}/metrics").json()
@@ -407,8 +420,8 @@ def test_sample_rows_carry_images_and_group_info(api):
 
 def test_each_distinct_image_is_stored_once_and_a_step_is_one_transaction(api):
     client, _, _, app = api
-    from app.models import Image as ImageRow
-    from app.models import Sample, SampleImage
+    from collage.app.models import Image as ImageRow
+    from collage.app.models import Sample, SampleImage
 
     run = client.post(API + "/runs", json=config()).json()["id"]
     pngs = [_png((i, 0, 0)) for i in range(3)]
@@ -530,19 +543,38 @@ def test_catalog(api):
     assert "tiny:qwen2-vl" in models["tiny"] and {f["layout"] for f in models["families"]} >= {"grid", "batch_padded"}
 
 
-def test_health_reports_store_and_broker(api):
-    client, _, _, _ = api
-    body = client.get(API + "/health", headers={"Authorization": ""}).json()
-    assert body["ok"] is True and body["store"]["ok"] is True and body["broker"]["ok"] is True
+@pytest.mark.parametrize("broker_up", [True, False])
+def test_health_reports_the_real_broker(database_url, tmp_path, broker_up):
+    """The Celery dispatcher's own broker check: a reachable broker is ok, a closed port is 503 with the error."""
+    from fastapi.testclient import TestClient
+
+    from collage.app.db import engine_for
+    from collage.app.main import create_app
+    from collage.app.settings import Settings
+    from collage.worker.dispatcher import CeleryDispatcher
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    broker = "memory://" if broker_up else f"redis://127.0.0.1:{closed}/0"
+    settings = Settings(home=tmp_path, database_url=database_url, broker_url=broker, artifacts=tmp_path / "a")
+    app = create_app(settings, CeleryDispatcher(settings, engine_for(database_url)))
+    response = TestClient(app).get(API + "/health")
+    body = response.json()
+    assert body["store"]["ok"] is True
+    assert body["broker"]["ok"] is broker_up and body["ok"] is broker_up
+    assert response.status_code == (200 if broker_up else 503)
+    if not broker_up:
+        assert str(closed) in body["broker"]["url"] and "Error" in body["broker"]["error"]
 
 
 # ------------------------------------------------------------------------------------------ start-up
 
 
 def test_the_app_refuses_an_unmigrated_database(tmp_path):
-    from app.db import DatabaseNotMigrated
-    from app.main import create_app
-    from app.settings import Settings
+    from collage.app.db import DatabaseNotMigrated
+    from collage.app.main import create_app
+    from collage.app.settings import Settings
 
     from .conftest import RecordingDispatcher
 
@@ -556,7 +588,10 @@ def test_db_upgrade_and_token_create_cli(tmp_path):
     import os
 
     env = {**os.environ, "COLLAGE_HOME": str(tmp_path), "COLLAGE_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "app.cli", *a], capture_output=True, text=True, env=env)  # noqa: E731
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "collage.app.cli", *a], capture_output=True, text=True, env=env)
+
     early = run("token", "create", "me")
     assert early.returncode == 2 and "collage db upgrade" in early.stderr
     up = run("db", "upgrade")
@@ -569,7 +604,7 @@ def test_db_upgrade_and_token_create_cli(tmp_path):
 def test_the_web_app_does_not_load_the_training_stack():
     code = (
         "import sys, app.main, app.routers.runs, app.routers.samples, app.routers.datasets, app.routers.catalog, app.web.pages;"
-        "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'peft', 'training.trainer') if m in sys.modules];"
+        "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'peft', 'collage.training.trainer') if m in sys.modules];"
         "print(heavy)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -594,7 +629,7 @@ def test_out_of_range_numbers_are_422_not_500(api):
 def test_text_search_is_indexed_on_postgresql(migrated_postgres_url):
     from sqlalchemy import text
 
-    from app.db import engine_for
+    from collage.app.db import engine_for
 
     with engine_for(migrated_postgres_url).connect() as conn:
         names = set(conn.execute(text("SELECT indexname FROM pg_indexes WHERE tablename = 'samples'")).scalars())
@@ -633,7 +668,7 @@ def test_downsampled_series_follow_rewrites_and_truncation(api):
     values[100] = 0.0
     check(series(), values)
     assert [100, 9.0] not in series()
-    w.truncate_metrics(run, 1999)
+    w.begin_attempt(run, 1999, max_steps=3000)  # resumed from step 1999
     values = {s: v for s, v in values.items() if s <= 1999}
     check(series(), values)
     for s in range(2000, 2101):
@@ -648,8 +683,8 @@ def test_downsampled_series_follow_rewrites_and_truncation(api):
 def test_migration_0004_backfills_rollups_of_existing_metrics(tmp_path):
     from sqlalchemy import text
 
-    from app.db import make_engine, upgrade
-    from app.store.rollups import downsample
+    from collage.app.db import make_engine, upgrade
+    from collage.app.store.rollups import downsample
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     upgrade(url, "0003")

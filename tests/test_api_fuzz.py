@@ -9,7 +9,7 @@ from __future__ import annotations
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from app.store.writer import ImageIn, SampleIn
+from collage.app.store.writer import ImageIn, SampleIn
 
 from .test_api import API, _png, config
 

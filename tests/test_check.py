@@ -10,9 +10,9 @@ import sys
 import pytest
 from PIL import Image
 
-from app.cli import main
-from training.data.check import check_dataset
-from training.data.rows import RawRow, RowError
+from collage.app.cli import main
+from collage.training.data.check import check_dataset
+from collage.training.data.rows import RawRow, RowError
 
 
 def _png(mode="RGB", size=(56, 56)) -> bytes:
@@ -118,7 +118,7 @@ def test_cli_json_report(bad_dataset, capsys):
 
 def test_console_script_builds_synthesises_and_checks(tmp_path):
     """The installed `collage` entry point, end to end, as a user runs it."""
-    exe = [sys.executable, "-m", "app.cli"]
+    exe = [sys.executable, "-m", "collage.app.cli"]
     run = lambda *a: subprocess.run([*exe, *a], capture_output=True, text=True, timeout=300)  # noqa: E731
     built = run("models", "build-tiny", "qwen2-vl", "--out", str(tmp_path / "m"))
     assert built.returncode == 0, built.stderr

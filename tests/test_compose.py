@@ -1,19 +1,38 @@
-"""docker-compose.yml and the Dockerfile, checked by parsing (no Docker engine on the test machines)."""
+"""docker-compose.yml and the Dockerfile, checked by parsing them and running what they would run (no Docker
+engine on the test machines): the compose environment through Settings, the service commands through the
+CLI's parser, the Dockerfile's install step against the wheel's extras."""
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
+import pytest
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS_ENV = {"COLLAGE_HOME", "COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS",
-                "COLLAGE_HEARTBEAT_INTERVAL", "COLLAGE_HEARTBEAT_TIMEOUT", "COLLAGE_CANCEL_GRACE"}  # fmt: skip
 
 
 def compose():
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """The Dockerfile as (INSTRUCTION, arguments), continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def extras() -> dict[str, list[str]]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
 
 def test_services_and_healthchecks():
@@ -26,18 +45,21 @@ def test_services_and_healthchecks():
     assert services["worker-gpu0"]["depends_on"]["web"]["condition"] == "service_healthy"
 
 
-def test_the_environment_names_match_the_settings():
-    settings_source = (ROOT / "app" / "settings.py").read_text()
-    read = set(re.findall(r'"(COLLAGE_[A-Z_]+)"', settings_source))
-    assert read == SETTINGS_ENV, "the list above must follow app/settings.py"
-    services = compose()["services"]
-    for name in ("web", "worker-gpu0"):
-        env = services[name]["environment"]
-        assert set(env) <= read, set(env) - read
-        assert (
-            env["COLLAGE_DATABASE_URL"].startswith("postgresql://") and "@postgres:5432/" in env["COLLAGE_DATABASE_URL"]
-        )
-        assert env["COLLAGE_BROKER_URL"] == "redis://redis:6379/0"
+@pytest.mark.parametrize("service", ["web", "worker-gpu0"])
+def test_the_compose_environment_is_what_settings_read(service, monkeypatch):
+    from collage.app.settings import ENV_VARS, Settings
+
+    env = compose()["services"][service]["environment"]
+    assert set(env) <= set(ENV_VARS), set(env) - set(ENV_VARS)
+    for key in ENV_VARS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", str(value)))  # compose's defaults
+    settings = Settings.from_env()
+    assert settings.home == Path("/data") and settings.artifacts == Path("/data/artifacts")
+    assert settings.database_url == "postgresql://collage:collage@postgres:5432/collage"
+    assert settings.broker_url == "redis://redis:6379/0"
+    assert settings.heartbeat_timeout == float(env["COLLAGE_HEARTBEAT_TIMEOUT"])
 
 
 def test_volumes_and_gpu_reservation():
@@ -47,23 +69,48 @@ def test_volumes_and_gpu_reservation():
     assert set(doc["volumes"]) >= {"postgres-data", "redis-data", "artifacts"}
     devices = services["worker-gpu0"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
-    assert services["worker-gpu0"]["command"][:2] == ["collage", "worker"]
-    assert "--gpus" in services["worker-gpu0"]["command"]
-    assert services["web"]["command"][:2] == ["collage", "serve"] and "--workers" in services["web"]["command"]
 
 
-def test_commands_exist_in_the_cli():
-    from app.cli import build_parser
+def test_service_commands_parse_and_match_their_roles():
+    from collage.app.cli import build_parser
 
     parser = build_parser()
-    for name in ("web", "worker-gpu0"):
-        argv = compose()["services"][name]["command"][1:]
-        args = parser.parse_args(argv)
-        assert callable(args.func)
+    services = compose()["services"]
+    web = parser.parse_args(services["web"]["command"][1:])
+    assert services["web"]["command"][0] == "collage" and web.command == "serve" and web.workers == 0
+    worker = parser.parse_args(services["worker-gpu0"]["command"][1:])
+    assert worker.command == "worker" and worker.gpus == "0"
+    cmd = [i for i, a in dockerfile() if i == "CMD"]
+    assert cmd, "the image has a default command"
 
 
-def test_dockerfile_copies_every_package_and_installs_it():
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    for folder in ("app", "worker", "training", "templates", "migrations"):
-        assert f"COPY {folder} ./{folder}" in dockerfile
-    assert "pip install --no-cache-dir -e ." in dockerfile and 'CMD ["collage", "serve"' in dockerfile
+def test_each_image_installs_the_wheel_with_the_extras_of_its_role():
+    """The web image installs no torch (web extra only); the worker image installs the worker extra."""
+    steps = dockerfile()
+    installs = [a for i, a in steps if i == "RUN" and "pip install" in a]
+    assert len(installs) == 1 and "-e" not in shlex.split(installs[0]), "the image installs the built wheel"
+    assert ".whl)[${EXTRAS}]" in installs[0]
+    wheel_build = [a for i, a in steps if i == "RUN" and "pip wheel" in a]
+    assert wheel_build and "--no-deps" in wheel_build[0]
+    default = next(a for i, a in steps if i == "ARG" and a.startswith("EXTRAS=")).split("=", 1)[1]
+    known = extras()
+    services = compose()["services"]
+    chosen = {name: services[name]["build"]["args"]["EXTRAS"] for name in ("web", "worker-gpu0")}
+    assert chosen["web"] == default, "the plain `docker build` is the web image"
+    for name, value in chosen.items():
+        assert set(value.split(",")) <= set(known), (name, value)
+    assert "worker" not in chosen["web"].split(",") and "all" not in chosen["web"].split(",")
+    torchy = [d for d in known["worker"] if d.startswith(("torch", "transformers"))]
+    assert torchy and not any(d.startswith(("torch", "transformers")) for d in known["web"])
+    assert "worker" in chosen["worker-gpu0"].split(",")
+
+
+def test_the_image_copies_every_package_folder_and_runs_as_a_user():
+    steps = dockerfile()
+    copied = {a.split()[0] for i, a in steps if i == "COPY" and not a.startswith("--from")}
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert set(package_dirs.values()) <= copied, set(package_dirs.values()) - copied
+    for source in copied:
+        assert (ROOT / source).exists(), source
+    users = [a for i, a in steps if i == "USER"]
+    assert users and users[-1] not in ("root", "0")

@@ -32,7 +32,7 @@ def server(tmp_path_factory):
     for key in ("COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS"):
         env.pop(key, None)
     log = home / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "collage.app.cli", "serve", "--port", str(port)], env=env, cwd=ROOT,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
@@ -229,9 +229,9 @@ def test_a_bad_value_shows_the_field_error_and_creates_no_run(page, server):
 
 
 def test_model_output_is_escaped_everywhere(page, server):
-    from app.db import make_engine
-    from app.store.writer import ImageIn, SampleIn, StoreWriter
-    from training.config import parse_config
+    from collage.app.db import make_engine
+    from collage.app.store.writer import ImageIn, SampleIn, StoreWriter
+    from collage.training.config import parse_config
 
     engine = make_engine(f"sqlite:///{server['home'] / 'collage.db'}")
     writer = StoreWriter(engine, server["home"] / "artifacts")

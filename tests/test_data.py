@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from training.data.loader import DatasetError, load_dataset
-from training.data.rows import RowError
-from training.data.synth import COLORS, TASKS, SynthError, write_synth
+from collage.training.data.loader import DatasetError, load_dataset
+from collage.training.data.rows import RowError
+from collage.training.data.synth import COLORS, TASKS, SynthError, write_synth
 
 
 def _digest(folder: Path) -> str:
@@ -168,11 +168,21 @@ def test_missing_source_and_split_are_clear(tmp_path):
         load_dataset(str(tmp_path), split="test")
 
 
-def test_synth_source_is_cached_and_loaded_through_the_same_loader():
+def test_synth_source_is_cached_and_loaded_through_the_same_loader(monkeypatch, tmp_path):
+    from collage.training.data import synth
+
+    monkeypatch.setenv("COLLAGE_HOME", str(tmp_path))
+    generated = []
+    real = synth.generate
+    monkeypatch.setattr(synth, "generate", lambda *a, **k: generated.append(a) or real(*a, **k))
     first = load_dataset("synth:count-red", rows=5, min_images=0, max_images=2, seed=9)
+    assert len(generated) == 1 and Path(first.source).is_dir() and Path(first.source).is_relative_to(tmp_path)
     second = load_dataset("synth:count-red", rows=5, min_images=0, max_images=2, seed=9)
-    assert first.source == second.source and Path(first.source).is_dir()
+    assert len(generated) == 1, "the second load reads the cached folder, it does not generate again"
+    assert first.source == second.source
     assert [r.data for r in first.rows] == [r.data for r in second.rows]
+    other = load_dataset("synth:count-red", rows=5, min_images=0, max_images=2, seed=10)
+    assert len(generated) == 2 and other.source != first.source  # another seed is another dataset
 
 
 def test_row_error_carries_the_row():

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from training.batching.layouts import join_pixels, select_pixels, slice_pixels, split_pixels
-from training.models.families import BATCH_PADDED, GRID, IMAGE_INDEXED
+from collage.training.batching.layouts import join_pixels, select_pixels, slice_pixels, split_pixels
+from collage.training.models.families import BATCH_PADDED, GRID, IMAGE_INDEXED
 
 counts = st.lists(st.integers(min_value=0, max_value=4), min_size=1, max_size=6)
 

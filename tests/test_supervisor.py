@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from app.models import Run
-from worker.supervisor import Slot, SlotTooSmall, child_command
+from collage.app.models import Run
+from collage.worker.supervisor import Slot, SlotTooSmall, child_command
 
 
 def _run(gpus: int) -> Run:
@@ -16,20 +16,20 @@ def _run(gpus: int) -> Run:
 
 def test_cpu_runs_see_no_gpu():
     cmd, env, warning = child_command(_run(0), Slot(gpus=[0, 1]))
-    assert cmd == [sys.executable, "-m", "worker.child", "r1"]
+    assert cmd == [sys.executable, "-m", "collage.worker.child", "r1"]
     assert env["CUDA_VISIBLE_DEVICES"] == "" and warning is None
 
 
 def test_one_gpu_runs_on_the_first_gpu_of_the_slot():
     cmd, env, _ = child_command(_run(1), Slot(gpus=[3, 4]))
-    assert cmd[-2:] == ["worker.child", "r1"] and env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert cmd[-2:] == ["collage.worker.child", "r1"] and env["CUDA_VISIBLE_DEVICES"] == "3"
 
 
 def test_several_gpus_run_under_accelerate_launch():
     cmd, env, _ = child_command(_run(2), Slot(gpus=[2, 5]))
     assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
-    assert cmd[-3:] == ["-m", "worker.child", "r1"] and env["CUDA_VISIBLE_DEVICES"] == "2,5"
+    assert cmd[-3:] == ["-m", "collage.worker.child", "r1"] and env["CUDA_VISIBLE_DEVICES"] == "2,5"
 
 
 def test_a_slot_too_small_is_a_clear_error():

@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from training.models.families import TINY_FAMILIES, family_for_model_type
-from training.models.loading import ProcessorError, check_processor, load_processor, resolve_model_path
-from training.models.tiny import build_tiny
+from collage.training.models.families import TINY_FAMILIES, family_for_model_type
+from collage.training.models.loading import ProcessorError, check_processor, load_processor, resolve_model_path
+from collage.training.models.tiny import build_tiny
 
 IMAGE_MARKUP = {
     "qwen2-vl": "<|vision_start|><|image_pad|><|vision_end|>",

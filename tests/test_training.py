@@ -12,12 +12,12 @@ import pytest
 import torch
 import yaml
 
-from training.callbacks import Callback
-from training.config import ConfigError, parse_config
-from training.modeling import is_vision_param
-from training.models.families import TINY_FAMILIES
-from training.output import OutputFolder
-from training.trainer import Trainer, TrainingError
+from collage.training.callbacks import Callback
+from collage.training.config import ConfigError, parse_config
+from collage.training.modeling import is_vision_param
+from collage.training.models.families import TINY_FAMILIES
+from collage.training.output import OutputFolder
+from collage.training.trainer import Trainer, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -287,7 +287,7 @@ def test_images_alone_over_max_prompt_length_are_refused_before_training():
 
 @pytest.fixture(scope="module")
 def text_reward_model(tmp_path_factory):
-    from training.models.tiny import build_tiny_reward_model
+    from collage.training.models.tiny import build_tiny_reward_model
 
     return str(build_tiny_reward_model(tmp_path_factory.mktemp("rm")))
 
@@ -334,7 +334,7 @@ def test_config_errors_name_every_bad_key():
 
 def _cli(*args, env=None, timeout=600):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "collage.app.cli", *args], capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)  # fmt: skip
 
 
@@ -354,7 +354,7 @@ def test_collage_train_cli(tmp_path):
 
 
 def test_a_resolved_config_loads_again(tmp_path):
-    from training.config import dump_config, load_config
+    from collage.training.config import dump_config, load_config
 
     for algorithm in ("grpo", "rloo"):
         config = make_config(algorithm=algorithm)
@@ -363,9 +363,13 @@ def test_a_resolved_config_loads_again(tmp_path):
 
 
 def test_examples_are_valid_configs():
-    for path in (ROOT / "examples").glob("*.yaml"):
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    # the README and the demo name these two: they must exist and load
+    assert {p.name for p in examples} >= {"grpo-count-red.yaml", "rloo-count-red.yaml"}
+    for path in examples:
         config = parse_config(yaml.safe_load(path.read_text()))
-        assert config.model.path.startswith("tiny:")
+        assert config.model.path.startswith("tiny:"), path  # runnable offline
+        assert path.name.startswith(config.algorithm + "-"), (path, config.algorithm)
 
 
 # -------------------------------------------------------------------------------------------- DDP
@@ -387,7 +391,7 @@ def test_two_process_ddp_on_cpu_keeps_replicas_identical(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "app.cli", "train", str(cfg_file), "--out", str(out), "--quiet"]  # fmt: skip
+           "-m", "collage.app.cli", "train", str(cfg_file), "--out", str(out), "--quiet"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     digests = json.loads((out / "replicas.json").read_text())["parameter_sha256"]

@@ -16,9 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
-from training import algorithms as alg
-from training.batching.inputs import PromptEncoder, collate, completion_logprobs
-from training.data.rows import Sample
+from collage.training import algorithms as alg
+from collage.training.batching.inputs import PromptEncoder, collate, completion_logprobs
+from collage.training.data.rows import Sample
 
 TOL = 1e-5
 G = 4  # generations per prompt
@@ -156,7 +156,7 @@ def test_advantages_and_loss_agree_with_trl(kind, settings, tiny_model_dir, tmp_
     torch.manual_seed(0)
     trainer, processor = _build_trl(kind, model_dir, tmp_path, **settings)
     tokenizer = processor.tokenizer
-    from training.models.families import family_by_name
+    from collage.training.models.families import family_by_name
 
     family = family_by_name("qwen2-vl")
     encoder = PromptEncoder(processor, family)

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlmodel import Session
 
-from app.models import Checkpoint, Event, Metric, Sample
+from collage.app.models import Checkpoint, Event, Metric, Sample
 
 from .conftest import require_service
 
@@ -84,11 +84,11 @@ class Cluster:
     def __init__(self, database_url: str, broker_url: str, home: Path, artifacts: Path):
         from fastapi.testclient import TestClient
 
-        from app.db import engine_for
-        from app.main import create_app
-        from app.settings import Settings
-        from app.store.tokens import create_token
-        from worker.dispatcher import CeleryDispatcher
+        from collage.app.db import engine_for
+        from collage.app.main import create_app
+        from collage.app.settings import Settings
+        from collage.app.store.tokens import create_token
+        from collage.worker.dispatcher import CeleryDispatcher
 
         self.env = {
             **os.environ,
@@ -114,7 +114,7 @@ class Cluster:
     def start_worker(self, name: str) -> subprocess.Popen:
         log = Path(self.settings.home) / f"{name}.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "worker", "--name", name, "--loglevel", "INFO"],
+            [sys.executable, "-m", "collage.app.cli", "worker", "--name", name, "--loglevel", "INFO"],
             env=self.env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.workers[name], self.logs[name] = proc, log
@@ -238,8 +238,14 @@ def test_two_workers_five_runs_each_runs_exactly_once(cluster):
         starts = [m for m in cluster.events(run_id) if m.startswith("status: running on")]
         assert len(starts) == 1, (run_id, starts)
         assert _metric_steps(cluster, run_id) == [1, 2]
-    used = {cluster.run(r)["worker"] for r in ids}
-    assert used <= {"wa", "wb"}
+    # both workers took runs (five runs of several seconds each, two idle workers with prefetch 1), and the
+    # run's worker column names the worker that logged the start
+    used = {}
+    for r in ids:
+        worker = cluster.run(r)["worker"]
+        assert f"status: running on {worker}" in cluster.events(r), (r, worker, cluster.events(r))
+        used[r] = worker
+    assert set(used.values()) == {"wa", "wb"}, used
 
 
 def test_cancel_a_running_run_ends_cancelled_with_a_checkpoint(cluster):
@@ -268,16 +274,19 @@ def test_a_killed_worker_or_child_fails_the_run_and_resume_completes_it(cluster,
         worker.send_signal(signal.SIGKILL)
         cluster.start_worker("w2")  # its reaper (and the next runs) take over
     else:
-        child = subprocess.run(["pgrep", "-f", f"worker.child {run_id}"], capture_output=True, text=True).stdout.split()
+        child = subprocess.run(
+            ["pgrep", "-f", f"collage.worker.child {run_id}"], capture_output=True, text=True
+        ).stdout.split()
         assert child, "the training child runs in its own process"
         os.kill(int(child[0]), signal.SIGKILL)
-    killed_at = time.monotonic()
-    run = cluster.wait_status(run_id, ("failed",), timeout=HEARTBEAT_TIMEOUT + 30)
-    assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT + 15
+    # the reaper (worker killed) or the supervisor (child killed) must mark it within the heartbeat timeout
+    run = cluster.wait_status(run_id, ("failed",), timeout=HEARTBEAT_TIMEOUT + 15)
     assert run["error"]
     if victim == "worker":
         assert "no heartbeat" in run["error"]
-        assert not subprocess.run(["pgrep", "-f", f"worker.child {run_id}"], capture_output=True).stdout, "no orphan"
+        assert not subprocess.run(["pgrep", "-f", f"collage.worker.child {run_id}"], capture_output=True).stdout, (
+            "no orphan"
+        )
     else:
         assert "killed by signal SIGKILL" in run["error"]
     reached = run["progress"]["step"]
@@ -330,7 +339,7 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
     for key in ("COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS"):
         env.pop(key, None)
     log = tmp_path / "serve.log"
-    serve = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], env=env, cwd=ROOT,
+    serve = subprocess.Popen([sys.executable, "-m", "collage.app.cli", "serve", "--port", str(port)], env=env, cwd=ROOT,
                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         import httpx
@@ -353,20 +362,18 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
         import yaml
 
         cfg.write_text(yaml.safe_dump(run_config(max_steps=3)))
-        submitted = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "app.cli", "submit", str(cfg), "--server", f"http://127.0.0.1:{port}", "--follow"],
+            [sys.executable, "-m", "collage.app.cli", "submit", str(cfg), "--server", f"http://127.0.0.1:{port}", "--follow"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr + log.read_text()[-3000:]
         assert "succeeded" in done.stdout.splitlines()[-1]
-        assert time.monotonic() - submitted < 240
         failing = cfg.with_name("bad.yaml")
         failing.write_text(
             yaml.safe_dump(run_config(max_steps=2, rewards=[{"name": "tests.rewards_for_tests:always_fails"}]))
         )
         bad = subprocess.run(
-            [sys.executable, "-m", "app.cli", "submit", str(failing), "--server", f"http://127.0.0.1:{port}", "--follow"],
+            [sys.executable, "-m", "collage.app.cli", "submit", str(failing), "--server", f"http://127.0.0.1:{port}", "--follow"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert bad.returncode == 1 and "failed" in bad.stdout
@@ -384,10 +391,13 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
 def test_runs_go_to_the_queue_their_config_names(cluster):
     cluster.start_worker("w-default")
     run_id = cluster.submit(max_steps=1, resources={"gpus": 0, "queue": "special"})
-    time.sleep(3)
-    assert cluster.run(run_id)["status"] == "queued"  # no worker takes runs from that queue yet
+    # a run submitted later on the default queue is taken and finished first: w-default never saw the
+    # special queue (had it listened there, it would have taken the older run first)
+    later = cluster.submit(max_steps=1, resources={"gpus": 0, "queue": "default"})
+    assert cluster.wait_status(later, ("succeeded", "failed"))["status"] == "succeeded"
+    assert cluster.run(run_id)["status"] == "queued"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "worker", "--name", "w-special", "--queues", "special"],
+        [sys.executable, "-m", "collage.app.cli", "worker", "--name", "w-special", "--queues", "special"],
         env=cluster.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     cluster.workers["w-special"] = proc

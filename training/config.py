@@ -6,15 +6,19 @@ user's values carry over. Unknown keys and wrong types are errors that name the 
 
 from __future__ import annotations
 
+import copy
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .errors import CollageError
 
-class ConfigError(ValueError):
+
+class ConfigError(CollageError, ValueError):
     """A bad run config; ``errors`` is a list of ``(path, message)``, one per bad field."""
 
     def __init__(self, errors: list[tuple[str, str]]):
@@ -167,14 +171,44 @@ def default_name(config: RunConfig) -> str:
     return f"{data}-{config.algorithm}-{model}".lower()
 
 
-def _path(loc: tuple[Any, ...]) -> str:
+def error_path(loc: Sequence[Any]) -> str:
+    """A pydantic error location as a config key path: ``("train", "loss_type")`` -> ``train.loss_type``,
+    list indices as ``rewards[0]``; validator-internal parts are dropped."""
     parts: list[str] = []
     for item in loc:
         if isinstance(item, int):
-            parts[-1 if parts else 0 :] = [f"{parts[-1] if parts else ''}[{item}]"]
+            if parts:
+                parts[-1] = f"{parts[-1]}[{item}]"
+            else:
+                parts.append(f"[{item}]")
         elif isinstance(item, str) and item and not item.startswith(("function-", "literal[")):
             parts.append(item)
-    return ".".join(parts) or "config"
+    return ".".join(parts)
+
+
+def error_message(err: Mapping[str, Any]) -> str:
+    """A pydantic error as one plain sentence (the same wording in the CLI, the API and the launch form)."""
+    kind = err.get("type")
+    message = str(err.get("msg", "invalid"))
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "json_invalid":
+        return f"malformed JSON: {err.get('ctx', {}).get('error', 'cannot be parsed')}"
+    if kind == "literal_error":
+        return "must be one of " + message.removeprefix("Input should be ")
+    return message.removeprefix("Value error, ")
+
+
+def format_errors(errors: Iterable[Mapping[str, Any]], root: str = "config") -> list[tuple[str, str]]:
+    """Pydantic errors of a run config as ``(key path, message)`` pairs; a cross-field error whose message
+    starts with its own path (``train.loss_type: ...``) is filed under that path."""
+    out = []
+    for err in errors:
+        path, message = error_path(err.get("loc", ())) or root, error_message(err)
+        if message.startswith(("train: ", "train.")):
+            path, message = message.split(": ", 1)
+        out.append((path, message))
+    return out
 
 
 def parse_config(data: Any) -> RunConfig:
@@ -186,41 +220,57 @@ def parse_config(data: Any) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        errors = []
-        for err in exc.errors():
-            message = err["msg"].removeprefix("Value error, ")
-            path = _path(err["loc"])
-            if err["type"] == "extra_forbidden":
-                message = "unknown key"
-            elif err["type"] == "literal_error":
-                message = "must be one of " + err["msg"].removeprefix("Input should be ")
-            if message.startswith("train: ") or message.startswith("train."):
-                path, message = message.split(": ", 1)
-            errors.append((path, message))
+        errors = format_errors(exc.errors())
         raise ConfigError(errors) from None
 
 
-def _coerce(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.path=value`` overrides (values parsed as YAML scalars: ``3``, ``1e-4``, ``true``, ``[a, b]``)."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError([(item, "override must look like key.path=value")])
-        key, value = item.split("=", 1)
-        node = data
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
+def parse_override(item: str) -> tuple[str, Any]:
+    """``key.path=value`` from the command line -> ``(key.path, value)``, the value parsed as YAML (``3``,
+    ``1e-4``, ``true``, ``[a, b]``, ``{r: 4}``); an empty value is the empty string."""
+    if "=" not in item:
+        raise ConfigError([(item, "override must look like key.path=value")])
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError([(key.strip(), f"value {text!r} is not valid YAML: {exc}")]) from None
+    if isinstance(value, str) and _NUMBER.match(value.strip()):
+        value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; every user means the number
+    return key.strip(), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """A copy of ``data`` with ``overrides`` applied in order: the one rule for ``collage train/submit --set``
+    and the API's clone ``overrides``. A key is a dotted path (``train.learning_rate``); a mapping value is
+    merged into a mapping already there (``{"train": {"max_steps": 5}}`` keeps the other ``train`` keys),
+    anything else replaces it; missing or null mappings on the way are created."""
+    out = copy.deepcopy(data)
+    for key, value in overrides:
+        parts = key.split(".")
+        if not key or not all(parts):
+            raise ConfigError([(key or "overrides", "override keys are dotted paths like train.learning_rate")])
+        node = out
+        for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError([(key, f"{part} is not a mapping")])
+                raise ConfigError([(key, f"{'.'.join(parts[: depth + 1])} is not a mapping")])
             node = child
-        node[parts[-1]] = _coerce(value)
-    return data
+        node[parts[-1]] = _merged(node.get(parts[-1]), value)
+    return out
+
+
+def _merged(old: Any, new: Any) -> Any:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = dict(old)
+        for k, v in new.items():
+            out[k] = _merged(out.get(k), v)
+        return out
+    return copy.deepcopy(new)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
@@ -234,7 +284,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError([("config", f"{file} must hold a mapping of keys")])
-    return parse_config(apply_overrides(data, overrides or []))
+    return parse_config(apply_overrides(data, [parse_override(item) for item in overrides or []]))
 
 
 def dump_config(config: RunConfig) -> str:

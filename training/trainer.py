@@ -17,7 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -28,14 +28,17 @@ from .checkpoint import latest_checkpoint, load_model_weights, load_state, rng_s
 from .config import RunConfig
 from .data.loader import DatasetError, LoadedDataset, load_dataset
 from .data.rows import RowError, Sample
+from .errors import CollageError
 from .generation import generate
 from .modeling import prepare_policy, reference_model, trainable_vision_params
 from .models.loading import load_model, load_processor
 from .rewards import Reward, RewardBatch, RewardError, resolve_reward, score
 
 
-class TrainingError(RuntimeError):
+class TrainingError(CollageError, RuntimeError):
     """A run that cannot start or cannot go on; the message says why in the user's terms."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -53,9 +56,13 @@ class GenerationBatch:
 
 @dataclass
 class TrainResult:
-    status: str  # succeeded | cancelled
+    status: Literal["succeeded", "cancelled"]
     step: int
     metrics: list[dict[str, float]] = field(default_factory=list)
+
+
+def _zero_timings() -> dict[str, float]:
+    return {"timing/generation": 0.0, "timing/rewards": 0.0, "timing/train": 0.0}
 
 
 def _png(image: Any) -> tuple[str, bytes]:
@@ -81,6 +88,10 @@ class Trainer:
             raise TrainingError("resume needs the output folder that holds the checkpoints")
         self._perm: tuple[int, list[int]] = (-1, [])  # (epoch, that epoch's permutation of row indices)
         self.ready = False
+        # warnings found during set-up, reported once the callbacks' run has started (on_start)
+        self._pending_events: list[tuple[str, str]] = []
+        # where the current step's time goes: sampling, scoring, forward+backward (seconds)
+        self.timings: dict[str, float] = _zero_timings()
 
     def setup(self) -> None:
         """Load data, model, rewards and optimizer, and validate everything; ``train`` calls it if needed."""
@@ -197,7 +208,6 @@ class Trainer:
                         f"rewards[{k}]: {spec.name} is a text reward model and cannot see images, but {rows} dataset "
                         "rows have images. Set on_images_for_text_reward: drop to score their text alone."
                     )
-                self._pending_events = getattr(self, "_pending_events", [])
                 self._pending_events.append(
                     (
                         "warning",
@@ -302,6 +312,7 @@ class Trainer:
         rewards, unscorable = alg.combine_rewards(rewards_per_func, weights)
         kl_seq = None
         if cfg.algorithm == "rloo" and t.beta > 0:
+            assert old_logps is not None and ref_logps is not None  # computed above whenever beta > 0
             kl_seq = self.accelerator.gather(alg.sequence_kl_penalty(old_logps, ref_logps, mask))
             rewards = rewards - t.beta * kl_seq
         if cfg.algorithm == "grpo":
@@ -489,6 +500,7 @@ class Trainer:
         return path
 
     def _restore(self) -> None:
+        assert self.out is not None  # __init__ refuses resume without an output folder
         path = latest_checkpoint(self.out)
         if path is None:
             raise TrainingError(f"resume: no checkpoint in {self.out / 'checkpoints'}")
@@ -515,12 +527,12 @@ class Trainer:
         callbacks.on_start(cfg, self.resumed_from)
         if self.resumed_from:
             callbacks.on_event("info", f"resumed from checkpoint at step {self.resumed_from}")
-        for level, message in getattr(self, "_pending_events", []):
+        for level, message in self._pending_events:
             callbacks.on_event(level, message)
         generate_every = t.generation_steps * t.num_iterations
         started = time.monotonic()
         done_steps = 0
-        status = "succeeded"
+        status: Literal["succeeded", "cancelled"] = "succeeded"
         try:
             while self.step < t.max_steps:
                 if self._stop_requested(callbacks):
@@ -533,7 +545,7 @@ class Trainer:
                 loss_metrics: list[dict[str, float]] = []
                 rows: list[RolloutRow] = []
                 lr = self.scheduler.get_last_lr()[0]
-                self.timings = {"timing/generation": 0.0, "timing/rewards": 0.0, "timing/train": 0.0}
+                self.timings = _zero_timings()
                 self.model.train()
                 for a in range(t.gradient_accumulation_steps):
                     if self.micro % generate_every == 0 or self.buffer is None:

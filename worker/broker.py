@@ -17,7 +17,7 @@ class EmbeddedTransport(SQLAlchemyTransport):
     polling_interval = 0.05
 
 
-TRANSPORT_ALIASES.setdefault(ALIAS, "worker.broker:EmbeddedTransport")
+TRANSPORT_ALIASES.setdefault(ALIAS, "collage.worker.broker:EmbeddedTransport")
 
 
 def celery_broker_url(url: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from app.settings import Settings, get_settings
+from collage.app.settings import Settings, get_settings
 
 from .broker import celery_broker_url
 
@@ -18,9 +18,13 @@ TASK_NAME = "collage.run"
 
 def make_celery(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        from collage.app.extras import require
+
+        require("redis", "a Redis broker (COLLAGE_BROKER_URL)")
     if settings.broker_url.startswith("sqla+sqlite:///"):
         settings.home.mkdir(parents=True, exist_ok=True)
-    app = Celery("collage", broker=celery_broker_url(settings.broker_url), include=["worker.tasks"])
+    app = Celery("collage", broker=celery_broker_url(settings.broker_url), include=["collage.worker.tasks"])
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -35,13 +35,14 @@ def main(run_id: str) -> int:
     die_with_parent()
     from sqlmodel import Session
 
-    from app.db import engine_for
-    from app.models import Run
-    from app.settings import get_settings
-    from app.store.writer import StoreWriter
-    from training.checkpoint import latest_checkpoint
-    from training.config import parse_config
-    from training.trainer import Trainer, TrainingError
+    from collage.app.db import engine_for
+    from collage.app.models import Run
+    from collage.app.settings import get_settings
+    from collage.app.status import RunStatus
+    from collage.app.store.writer import StoreWriter
+    from collage.training.checkpoint import latest_checkpoint
+    from collage.training.config import parse_config
+    from collage.training.trainer import Trainer, TrainingError
 
     from .store_callback import StoreCallback
 
@@ -58,7 +59,7 @@ def main(run_id: str) -> int:
     resume = latest_checkpoint(out) is not None
     heartbeat = float(os.environ.get("COLLAGE_HEARTBEAT_INTERVAL", "5"))
     rank = int(os.environ.get("RANK", "0"))
-    callback = StoreCallback(engine, writer, run_id, heartbeat_every=heartbeat)
+    callback = StoreCallback(writer, run_id, heartbeat_every=heartbeat)
     if rank == 0:
         callback.start_heartbeat()
     try:
@@ -66,18 +67,20 @@ def main(run_id: str) -> int:
         result = Trainer(config, out, [callback] if rank == 0 else [], resume=resume).train()
     except TrainingError as exc:
         if rank == 0:
-            writer.set_status(run_id, "failed", error=str(exc), message=f"failed: {str(exc).splitlines()[0][:500]}")
+            writer.set_status(
+                run_id, RunStatus.FAILED, error=str(exc), message=f"failed: {str(exc).splitlines()[0][:500]}"
+            )
         return EXIT_FAILED
     except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero
         if rank == 0:
             writer.set_status(
-                run_id, "failed", error="".join(traceback.format_exception(exc)), message=f"failed: {exc}"
+                run_id, RunStatus.FAILED, error="".join(traceback.format_exception(exc)), message=f"failed: {exc}"
             )
         return EXIT_FAILED
     finally:
         callback.stop_heartbeat()
     if rank == 0:
-        writer.set_status(run_id, result.status, message=f"{result.status} at step {result.step}")
+        writer.set_status(run_id, RunStatus(result.status), message=f"{result.status} at step {result.step}")
     return 0
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from app.settings import Settings
+from collage.app.settings import Settings
 
 from .celery_app import TASK_NAME, make_celery
 from .registry import live_workers

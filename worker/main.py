@@ -7,10 +7,13 @@ import os
 import socket
 
 from celery import signals
+from sqlmodel import col
 
-from app.db import check_migrated, engine_for, session_scope
-from app.models import Event, Run
-from app.settings import get_settings
+from collage.app.db import check_migrated, engine_for, session_scope
+from collage.app.models import Event, Run
+from collage.app.settings import get_settings
+from collage.app.status import RunStatus
+from collage.app.store.sql import changed_rows
 
 log = logging.getLogger("collage.worker")
 
@@ -45,10 +48,13 @@ def run_worker(
         if run_id is None:
             return
         with session_scope(engine) as session:
-            moved = session.execute(
-                update(Run).where(Run.id == run_id, Run.status == "running").values(status="cancelling")
+            moved = changed_rows(
+                session,
+                update(Run)
+                .where(col(Run.id) == run_id, col(Run.status) == RunStatus.RUNNING)
+                .values(status=RunStatus.CANCELLING),
             )
-            if moved.rowcount:
+            if moved:
                 session.add(
                     Event(
                         run_id=run_id, level="warning", message=f"worker {name} is shutting down: checkpoint, then stop"

@@ -8,11 +8,18 @@ from datetime import timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
+from sqlmodel import col
 
-from app.db import session_scope
-from app.models import Event, Run, utcnow
+from collage.app.db import session_scope
+from collage.app.models import Event, Run, utcnow
+from collage.app.status import RunStatus
+from collage.app.store.sql import changed_rows
+
+from .registry import forget_stale
 
 log = logging.getLogger("collage.reaper")
+
+STALE_WORKER_AFTER = 24 * 3600.0  # a worker silent this long (killed, host gone) leaves the registry
 
 
 def reap(engine: Engine, timeout: float) -> list[str]:
@@ -22,21 +29,25 @@ def reap(engine: Engine, timeout: float) -> list[str]:
     reaped = []
     with session_scope(engine) as session:
         stale = session.execute(
-            select(Run.id, Run.worker, Run.status).where(
-                Run.status.in_(("running", "cancelling")), Run.heartbeat_at < cutoff
+            select(col(Run.id), col(Run.worker), col(Run.status)).where(
+                col(Run.status).in_((RunStatus.RUNNING, RunStatus.CANCELLING)), col(Run.heartbeat_at) < cutoff
             )
         ).all()
         for run_id, worker, status in stale:
             reason = f"no heartbeat for {timeout:.0f}s: worker {worker or '?'} lost (killed, or its machine went away)"
-            ended = "cancelled" if status == "cancelling" else "failed"
-            result = session.execute(
+            ended = RunStatus.CANCELLED if status == RunStatus.CANCELLING else RunStatus.FAILED
+            result = changed_rows(
+                session,
                 update(Run)
-                .where(Run.id == run_id, Run.status == status, Run.heartbeat_at < cutoff)
+                .where(col(Run.id) == run_id, col(Run.status) == status, col(Run.heartbeat_at) < cutoff)
                 .values(
-                    status=ended, error=reason if ended == "failed" else None, finished_at=utcnow(), updated_at=utcnow()
-                )
+                    status=ended,
+                    error=reason if ended == RunStatus.FAILED else None,
+                    finished_at=utcnow(),
+                    updated_at=utcnow(),
+                ),
             )
-            if result.rowcount == 1:
+            if result == 1:
                 session.add(
                     Event(run_id=run_id, level="error" if ended == "failed" else "info", message=f"{ended}: {reason}")
                 )
@@ -58,7 +69,8 @@ class Reaper(threading.Thread):
         while not self.stopped.wait(self.every):
             try:
                 reap(self.engine, self.timeout)
-            except Exception:  # noqa: BLE001 - the store may be briefly unavailable; try again next time
+                forget_stale(self.engine, older_than=STALE_WORKER_AFTER)
+            except Exception:  # the store may be briefly unavailable: logged, tried again next time
                 log.exception("reaper pass failed")
 
     def stop(self) -> None:

@@ -9,11 +9,11 @@ from datetime import timedelta
 
 from sqlalchemy import delete, select
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col
 
-from app.db import session_scope
-from app.models import Worker, utcnow
-from app.store.writer import upsert
+from collage.app.db import session_scope
+from collage.app.models import Worker, table_of, utcnow
+from collage.app.store.sql import upsert
 
 
 class Registration(threading.Thread):
@@ -29,7 +29,7 @@ class Registration(threading.Thread):
         with session_scope(self.engine) as session:
             upsert(
                 session,
-                Worker.__table__,
+                table_of(Worker),
                 [row],
                 ["name"],
                 ["hostname", "pid", "queues", "gpus", "current_run_id", "last_seen"],
@@ -49,13 +49,13 @@ class Registration(threading.Thread):
     def stop(self) -> None:
         self.stopped.set()
         with session_scope(self.engine) as session:
-            session.execute(delete(Worker).where(Worker.name == self.name))
+            session.execute(delete(Worker).where(col(Worker.name) == self.name))
 
 
 def live_workers(engine: Engine, within: float) -> list[dict]:
     cutoff = utcnow() - timedelta(seconds=within)
     with Session(engine) as session:
-        rows = session.scalars(select(Worker).where(Worker.last_seen >= cutoff).order_by(Worker.name)).all()
+        rows = session.scalars(select(Worker).where(col(Worker.last_seen) >= cutoff).order_by(Worker.name)).all()
         return [
             {"name": w.name, "hostname": w.hostname, "pid": w.pid, "queues": w.queues, "gpu_slots": w.gpus,
              "current_run": w.current_run_id, "last_seen": w.last_seen.isoformat()}
@@ -66,4 +66,4 @@ def live_workers(engine: Engine, within: float) -> list[dict]:
 def forget_stale(engine: Engine, older_than: float) -> None:
     cutoff = utcnow() - timedelta(seconds=older_than)
     with session_scope(engine) as session:
-        session.execute(delete(Worker).where(Worker.last_seen < cutoff))
+        session.execute(delete(Worker).where(col(Worker.last_seen) < cutoff))

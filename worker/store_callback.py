@@ -5,15 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from sqlalchemy import delete, select, update
-from sqlalchemy.engine import Engine
-from sqlmodel import Session
-
-from app.db import session_scope
-from app.models import Checkpoint, Run, Sample, SampleImage, utcnow
-from app.store import rollups
-from app.store.writer import ImageIn, SampleIn, StoreWriter
-from training.callbacks import Callback, RolloutRow
+from collage.app.models import RunStatus
+from collage.app.store.writer import ImageIn, SampleIn, StoreWriter
+from collage.training.callbacks import Callback, RolloutRow
 
 
 def _sample_in(row: RolloutRow) -> SampleIn:
@@ -35,8 +29,7 @@ def _sample_in(row: RolloutRow) -> SampleIn:
 
 
 class StoreCallback(Callback):
-    def __init__(self, engine: Engine, writer: StoreWriter, run_id: str, heartbeat_every: float = 5.0):
-        self.engine = engine
+    def __init__(self, writer: StoreWriter, run_id: str, heartbeat_every: float = 5.0):
         self.writer = writer
         self.run_id = run_id
         self.heartbeat_every = heartbeat_every
@@ -62,20 +55,7 @@ class StoreCallback(Callback):
         self._stop.set()
 
     def on_start(self, config, resumed_from_step: int) -> None:
-        # whatever an earlier attempt wrote after the checkpoint we continue from is rewritten by this one
-        with session_scope(self.engine) as session:
-            ids = select(Sample.id).where(Sample.run_id == self.run_id, Sample.step > resumed_from_step)
-            session.execute(delete(SampleImage).where(SampleImage.sample_id.in_(ids)))
-            session.execute(delete(Sample).where(Sample.run_id == self.run_id, Sample.step > resumed_from_step))
-            rollups.truncate(session, self.run_id, resumed_from_step)
-            session.execute(
-                delete(Checkpoint).where(Checkpoint.run_id == self.run_id, Checkpoint.step > resumed_from_step)
-            )
-            session.execute(
-                update(Run)
-                .where(Run.id == self.run_id)
-                .values(step=resumed_from_step, max_steps=config.train.max_steps)
-            )
+        self.writer.begin_attempt(self.run_id, resumed_from_step, config.train.max_steps)
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.writer.append_metrics(self.run_id, step, metrics)
@@ -87,18 +67,13 @@ class StoreCallback(Callback):
         self.writer.add_event(self.run_id, level, message)
 
     def on_progress(self, step: int, max_steps: int, seconds_per_step: float | None) -> None:
-        with session_scope(self.engine) as session:
-            session.execute(
-                update(Run).where(Run.id == self.run_id).values(step=step, updated_at=utcnow(), heartbeat_at=utcnow())
-            )
+        self.writer.set_progress(self.run_id, step)
 
     def on_checkpoint(self, step: int, path: str) -> None:
         self.writer.add_checkpoint(self.run_id, step, path)
 
     def should_stop(self) -> bool:
-        with Session(self.engine) as session:
-            status = session.execute(select(Run.status).where(Run.id == self.run_id)).scalar_one_or_none()
-        return status in ("cancelling", "cancelled", None)
+        return self.writer.run_status(self.run_id) in (RunStatus.CANCELLING, RunStatus.CANCELLED, None)
 
     def on_end(self, status: str, error: str | None = None) -> None:
         self.final = (status, error)

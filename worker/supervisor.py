@@ -12,11 +12,14 @@ from dataclasses import dataclass
 
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col
 
-from app.db import session_scope
-from app.models import Event, Run, utcnow
-from app.store.writer import StoreWriter
+from collage.app.db import session_scope
+from collage.app.models import Event, Run, utcnow
+from collage.app.status import RunStatus
+from collage.app.store.sql import changed_rows
+from collage.app.store.writer import StoreWriter
+from collage.training.errors import CollageError
 
 log = logging.getLogger("collage.worker")
 
@@ -31,12 +34,13 @@ def claim(engine: Engine, run_id: str, worker: str) -> Run | None:
     redelivered message), or it was cancelled while queued: the task is then a no-op."""
     now = utcnow()
     with session_scope(engine) as session:
-        result = session.execute(
+        result = changed_rows(
+            session,
             update(Run)
-            .where(Run.id == run_id, Run.status == "queued")
-            .values(status="running", worker=worker, started_at=now, heartbeat_at=now, updated_at=now)
+            .where(col(Run.id) == run_id, col(Run.status) == RunStatus.QUEUED)
+            .values(status=RunStatus.RUNNING, worker=worker, started_at=now, heartbeat_at=now, updated_at=now),
         )
-        if result.rowcount != 1:
+        if result != 1:
             return None
         session.add(Event(run_id=run_id, level="info", message=f"status: running on {worker}"))
     with Session(engine, expire_on_commit=False) as session:
@@ -45,14 +49,14 @@ def claim(engine: Engine, run_id: str, worker: str) -> Run | None:
 
 def _status(engine: Engine, run_id: str) -> str | None:
     with Session(engine) as session:
-        return session.execute(select(Run.status).where(Run.id == run_id)).scalar_one_or_none()
+        return session.execute(select(col(Run.status)).where(col(Run.id) == run_id)).scalar_one_or_none()
 
 
 def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str | None]:
     """The training command for this slot, its environment, and a warning worth recording (or ``None``)."""
     wanted = int(run.config.get("resources", {}).get("gpus", 1))
     env = dict(os.environ)
-    single = [sys.executable, "-m", "worker.child", run.id]
+    single = [sys.executable, "-m", "collage.worker.child", run.id]
     if wanted == 0:
         env["CUDA_VISIBLE_DEVICES"] = ""
         return single, env, None
@@ -70,10 +74,10 @@ def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str 
         return single, env, None
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(wanted),
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-    return [*launch, "-m", "worker.child", run.id], env, None
+    return [*launch, "-m", "collage.worker.child", run.id], env, None
 
 
-class SlotTooSmall(RuntimeError):
+class SlotTooSmall(CollageError, RuntimeError):
     pass
 
 
@@ -94,8 +98,8 @@ def supervise(engine: Engine, writer: StoreWriter, run_id: str, worker: str, slo
     try:
         cmd, env, warning = child_command(run, slot)
     except SlotTooSmall as exc:
-        writer.set_status(run_id, "failed", error=str(exc), message=f"failed: {exc}")
-        return "failed"
+        writer.set_status(run_id, RunStatus.FAILED, error=str(exc), message=f"failed: {exc}")
+        return RunStatus.FAILED
     if warning:
         writer.add_event(run_id, "warning", warning)
     log.info("run %s: starting %s", run_id, " ".join(cmd))
@@ -107,24 +111,24 @@ def supervise(engine: Engine, writer: StoreWriter, run_id: str, worker: str, slo
         if code is not None:
             break
         status = _status(engine, run_id)
-        if status in ("cancelling", "cancelled", None):
+        if status in (RunStatus.CANCELLING, RunStatus.CANCELLED, None):
             cancel_seen = cancel_seen or time.monotonic()
             if time.monotonic() - cancel_seen > cancel_grace:
                 _kill(proc)
                 proc.wait()
                 writer.set_status(
                     run_id,
-                    "cancelled",
+                    RunStatus.CANCELLED,
                     message=f"cancelled: the training did not stop within {cancel_grace:.0f}s and was killed",
                 )
-                return "cancelled"
+                return RunStatus.CANCELLED
         time.sleep(poll)
     final = _status(engine, run_id)
-    if final in ("running", "cancelling"):
+    if final in (RunStatus.RUNNING, RunStatus.CANCELLING):
         # the child died without saying how it ended
         reason = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        ended = "cancelled" if final == "cancelling" else "failed"
-        writer.set_status(run_id, ended, error=None if ended == "cancelled" else f"the training process {reason}",
+        ended = RunStatus.CANCELLED if final == RunStatus.CANCELLING else RunStatus.FAILED
+        writer.set_status(run_id, ended, error=None if ended == RunStatus.CANCELLED else f"the training process {reason}",
                           message=f"{ended}: the training process {reason}")  # fmt: skip
         final = ended
     log.info("run %s ended %s", run_id, final)

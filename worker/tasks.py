@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import logging
 
-from app.db import engine_for
-from app.settings import get_settings
-from app.store.writer import StoreWriter
+from collage.app.db import engine_for
+from collage.app.settings import get_settings
+from collage.app.store.writer import StoreWriter
 
 from .celery_app import TASK_NAME, celery_app
+from .registry import Registration
 from .supervisor import Slot, supervise
 
 log = logging.getLogger("collage.worker")
 
 # set by `collage worker` in the worker process before it consumes anything
 SLOT = Slot(gpus=[])
-REGISTRATION = None
+REGISTRATION: Registration | None = None
 
 
 @celery_app.task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True)

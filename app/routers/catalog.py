@@ -7,8 +7,8 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 
-from training.models.families import FAMILIES, TINY_FAMILIES
-from training.rewards.builtins import BUILTINS
+from collage.training.models.families import FAMILIES, TINY_FAMILIES
+from collage.training.rewards.builtins import BUILTINS
 
 from ..auth import UNAUTHORIZED, require_token
 from ..schemas import FamilyInfo, ModelsOut, RewardInfo, RewardsOut

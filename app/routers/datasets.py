@@ -17,7 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from ..auth import UNAUTHORIZED, require_token
 from ..db import session_scope
 from ..schemas import DatasetCheckOut, DatasetCheckRequest, DatasetPreviewOut, PreviewRow
-from ..store.writer import dialect_insert
+from ..store.sql import dialect_insert
 from .common import image_ref
 
 router = APIRouter(tags=["datasets"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
@@ -28,7 +28,11 @@ TIMEOUT = 600
 def _run_cli(args: list[str], timeout: int = TIMEOUT) -> tuple[int, str, str]:
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+            [sys.executable, "-m", "collage.app.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired as exc:
         raise HTTPException(504, f"the dataset took longer than {timeout}s to read") from exc

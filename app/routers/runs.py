@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 from typing import Annotated, Any
 
@@ -13,12 +12,13 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import select, update
 from sqlmodel import Session
 
-from training.config import ConfigError, RunConfig, parse_config
+from collage.training.config import ConfigError, RunConfig, apply_overrides, parse_config
 
 from ..auth import UNAUTHORIZED, require_token
 from ..db import session_scope
 from ..models import ENDED, Event, Metric, Run
 from ..schemas import CloneRequest, ErrorOut, EventOut, EventPage, RunCreated, RunOut, RunPage, ValidationErrorOut
+from ..status import RunStatus
 from ..store import queries
 from ..validation import semantic_errors
 from .common import get_run_or_404, get_session, run_out, run_url
@@ -40,8 +40,8 @@ def _dispatch(request: Request, run: Run) -> None:
     """Hand a stored run to the dispatcher; if that fails the run is marked failed, never left dangling."""
     try:
         request.app.state.dispatcher.submit(run.id, run.config.get("resources", {}).get("queue", "default"))
-    except Exception as exc:  # noqa: BLE001 - any broker failure
-        request.app.state.writer.set_status(run.id, "failed", error=f"could not queue the run: {exc}")
+    except Exception as exc:  # any broker failure: the run is marked failed and the error re-raised as 503
+        request.app.state.writer.set_status(run.id, RunStatus.FAILED, error=f"could not queue the run: {exc}")
         raise HTTPException(503, f"run {run.id} was stored but could not be queued: {exc}") from exc
 
 
@@ -59,7 +59,7 @@ def create_run(request: Request, response: Response, config: Annotated[RunConfig
     """Validate the whole config, store the run as `queued` and hand it to the workers."""
     run = _create(request, config)
     response.headers["Location"] = run_url(run.id)
-    return RunCreated(id=run.id, status="queued", url=run_url(run.id))
+    return RunCreated(id=run.id, status=RunStatus.QUEUED, url=run_url(run.id))
 
 
 @router.get("/runs", response_model=RunPage)
@@ -95,10 +95,10 @@ def cancel_run(run_id: str, request: Request, session: Annotated[Session, Depend
     """A queued run is cancelled at once; a running one checkpoints at its next step, then stops."""
     run = get_run_or_404(session, run_id)
     writer = request.app.state.writer
-    if run.status == "queued":
-        writer.set_status(run.id, "cancelled", message="cancelled before it started")
-    elif run.status == "running":
-        writer.set_status(run.id, "cancelling", message="cancel requested: checkpoint, then stop")
+    if run.status == RunStatus.QUEUED:
+        writer.set_status(run.id, RunStatus.CANCELLED, message="cancelled before it started")
+    elif run.status == RunStatus.RUNNING:
+        writer.set_status(run.id, RunStatus.CANCELLING, message="cancel requested: checkpoint, then stop")
         request.app.state.dispatcher.cancel(run.id)
     else:
         raise HTTPException(409, f"run {run.id} is {run.status}: only queued or running runs can be cancelled")
@@ -109,40 +109,19 @@ def cancel_run(run_id: str, request: Request, session: Annotated[Session, Depend
 def resume_run(run_id: str, request: Request, session: Annotated[Session, Depends(get_session)]) -> RunOut:
     """Queue a failed or cancelled run again as a new attempt; it continues from its last checkpoint."""
     run = get_run_or_404(session, run_id)
-    if run.status not in ("failed", "cancelled"):
+    if run.status not in (RunStatus.FAILED, RunStatus.CANCELLED):
         raise HTTPException(409, f"run {run.id} is {run.status}: only failed or cancelled runs can be resumed")
     with session_scope(request.app.state.engine) as s:
         s.execute(
             update(Run)
             .where(Run.id == run.id)
-            .values(status="queued", attempt=Run.attempt + 1, error=None, finished_at=None, worker=None)
+            .values(status=RunStatus.QUEUED, attempt=Run.attempt + 1, error=None, finished_at=None, worker=None)
         )
         s.add(Event(run_id=run.id, level="info", message=f"resume requested: attempt {run.attempt + 1}"))
     with _fresh(request) as fresh:
         run = get_run_or_404(fresh, run.id)
     _dispatch(request, run)
     return _reload(request, run.id)
-
-
-def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    dotted = {k: v for k, v in overrides.items() if "." in k}
-    for key, value in overrides.items():
-        if "." in key:
-            continue
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    for key, value in dotted.items():
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise _validation_error([(key, f"{part} is not a mapping")])
-        node[parts[-1]] = value
-    return out
 
 
 @router.post("/runs/{run_id}/clone", status_code=201, response_model=RunCreated, responses={**NOT_FOUND, **INVALID})
@@ -156,16 +135,16 @@ def clone_run(
     """A new run with the same config, changed by ``overrides``."""
     source = get_run_or_404(session, run_id)
     overrides = body.overrides if body else {}
-    data = _merge(source.config, overrides)
-    if "name" not in overrides:
-        data["name"] = f"{source.name}-clone"
     try:
+        data = apply_overrides(source.config, overrides.items())
+        if "name" not in overrides:
+            data["name"] = f"{source.name}-clone"
         config = parse_config(data)
     except ConfigError as exc:
         raise _validation_error(exc.errors) from exc
     run = _create(request, config, parent_id=source.id)
     response.headers["Location"] = run_url(run.id)
-    return RunCreated(id=run.id, status="queued", url=run_url(run.id))
+    return RunCreated(id=run.id, status=RunStatus.QUEUED, url=run_url(run.id))
 
 
 @router.delete("/runs/{run_id}", status_code=204, responses={**NOT_FOUND, **CONFLICT})

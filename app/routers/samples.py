@@ -191,7 +191,7 @@ def export(
     request: Request,
     session: Annotated[Session, Depends(get_session)],
     what: Annotated[Literal["samples", "metrics"], Query()] = "samples",
-    format: Annotated[Literal["csv", "jsonl", "parquet"], Query()] = "jsonl",  # noqa: A002 - the contract's name
+    format: Annotated[Literal["csv", "jsonl", "parquet"], Query()] = "jsonl",
 ) -> StreamingResponse:
     """Download every sample (images by SHA-256) or every metric of a run, streamed."""
     run = get_run_or_404(session, run_id)

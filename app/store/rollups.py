@@ -8,20 +8,22 @@ the buckets it touches from the raw values, so the rollups always equal what the
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import and_, case, delete, or_, select
-from sqlmodel import Session
+from sqlmodel import Session, col
+
+from collage.app.models import table_of
 
 from ..models import Metric, MetricRollup
+from .sql import dialect_insert
 
 WIDTHS = (16, 256)
 
 
 def _upsert_stmt(session: Session):
-    from .writer import dialect_insert
-
-    stmt = dialect_insert(session, MetricRollup.__table__)
-    table = MetricRollup.__table__
+    stmt = dialect_insert(session, table_of(MetricRollup))
+    table = table_of(MetricRollup)
     lower = stmt.excluded.min_value < table.c.min_value
     higher = stmt.excluded.max_value > table.c.max_value
     return stmt.on_conflict_do_update(
@@ -47,22 +49,31 @@ def add_points(session: Session, run_id: str, step: int, values: dict[str, float
         session.execute(_upsert_stmt(session), rows)
 
 
+def _fold(best: dict, slot: Any, step: int, value: float) -> None:
+    """Fold one point into ``best[slot]`` = ``[min_step, min_value, max_step, max_value]`` (the earliest step
+    wins ties): the one min/max rule of the rollups, their rebuilds and the downsampling."""
+    entry = best.get(slot)
+    if entry is None:
+        best[slot] = [step, value, step, value]
+        return
+    if value < entry[1] or (value == entry[1] and step < entry[0]):
+        entry[0], entry[1] = step, value
+    if value > entry[3] or (value == entry[3] and step < entry[2]):
+        entry[2], entry[3] = step, value
+
+
 def _fold_and_insert(
     session: Session, run_id: str, points: Iterable[tuple[str, int, float]], widths: Sequence[int]
 ) -> None:
-    """Each (key, width, bucket)'s min and max point (earliest on ties) of ``points``, inserted as rollups."""
+    """Each (key, width, bucket)'s min and max point of ``points``, inserted as rollups."""
     best: dict[tuple[str, int, int], list] = {}
     for key, step, value in points:
         for w in widths:
-            entry = best.setdefault((key, w, step // w), [step, value, step, value])
-            if value < entry[1] or (value == entry[1] and step < entry[0]):
-                entry[0], entry[1] = step, value
-            if value > entry[3] or (value == entry[3] and step < entry[2]):
-                entry[2], entry[3] = step, value
+            _fold(best, (key, w, step // w), step, value)
     rows = [{"run_id": run_id, "key": k, "width": w, "bucket": b, "min_step": e[0], "min_value": e[1],
              "max_step": e[2], "max_value": e[3]} for (k, w, b), e in best.items()]  # fmt: skip
     for start in range(0, len(rows), 5000):
-        session.execute(MetricRollup.__table__.insert(), rows[start : start + 5000])
+        session.execute(table_of(MetricRollup).insert(), rows[start : start + 5000])
 
 
 def recompute(session: Session, run_id: str, keys: Iterable[str], steps: Iterable[int]) -> None:
@@ -74,14 +85,14 @@ def recompute(session: Session, run_id: str, keys: Iterable[str], steps: Iterabl
         buckets = sorted({s // w for s in steps})
         session.execute(
             delete(MetricRollup).where(
-                MetricRollup.run_id == run_id, MetricRollup.key.in_(keys), MetricRollup.width == w,
-                MetricRollup.bucket.in_(buckets),
+                col(MetricRollup.run_id) == run_id, col(MetricRollup.key).in_(keys), col(MetricRollup.width) == w,
+                col(MetricRollup.bucket).in_(buckets),
             )
         )  # fmt: skip
-        ranges = or_(*(and_(Metric.step >= b * w, Metric.step < (b + 1) * w) for b in buckets))
+        ranges = or_(*(and_(col(Metric.step) >= b * w, col(Metric.step) < (b + 1) * w) for b in buckets))
         points = session.execute(
-            select(Metric.key, Metric.step, Metric.value).where(
-                Metric.run_id == run_id, Metric.key.in_(keys), Metric.value.is_not(None), ranges
+            select(col(Metric.key), col(Metric.step), col(Metric.value)).where(
+                col(Metric.run_id) == run_id, col(Metric.key).in_(keys), col(Metric.value).is_not(None), ranges
             )
         )
         _fold_and_insert(session, run_id, points, [w])
@@ -89,20 +100,26 @@ def recompute(session: Session, run_id: str, keys: Iterable[str], steps: Iterabl
 
 def rebuild(session: Session, run_id: str) -> None:
     """Recompute all of a run's rollups from its raw points (after a bulk load that bypassed the writer)."""
-    session.execute(delete(MetricRollup).where(MetricRollup.run_id == run_id))
+    session.execute(delete(MetricRollup).where(col(MetricRollup.run_id) == run_id))
     points = session.execute(
-        select(Metric.key, Metric.step, Metric.value).where(Metric.run_id == run_id, Metric.value.is_not(None))
+        select(col(Metric.key), col(Metric.step), col(Metric.value)).where(
+            col(Metric.run_id) == run_id, col(Metric.value).is_not(None)
+        )
     )
     _fold_and_insert(session, run_id, points, WIDTHS)
 
 
 def truncate(session: Session, run_id: str, after_step: int) -> None:
     """Drop every point after ``after_step`` (a run resumed from that checkpoint), rollups included."""
-    keys = list(session.scalars(select(Metric.key).where(Metric.run_id == run_id, Metric.step > after_step).distinct()))
-    session.execute(delete(Metric).where(Metric.run_id == run_id, Metric.step > after_step))
+    keys = list(
+        session.scalars(
+            select(col(Metric.key)).where(col(Metric.run_id) == run_id, col(Metric.step) > after_step).distinct()
+        )
+    )
+    session.execute(delete(Metric).where(col(Metric.run_id) == run_id, col(Metric.step) > after_step))
     for w in WIDTHS:
-        session.execute(delete(MetricRollup).where(MetricRollup.run_id == run_id, MetricRollup.width == w,
-                                                   MetricRollup.bucket > after_step // w))  # fmt: skip
+        session.execute(delete(MetricRollup).where(col(MetricRollup.run_id) == run_id, col(MetricRollup.width) == w,
+                                                   col(MetricRollup.bucket) > after_step // w))  # fmt: skip
     recompute(session, run_id, keys, [after_step])
 
 
@@ -125,10 +142,10 @@ def downsample(
         lo_bucket = min(spans[k][0] for k in keys) // width
         hi_bucket = max(spans[k][1] for k in keys) // width
         rows = session.execute(
-            select(MetricRollup.key, MetricRollup.min_step, MetricRollup.min_value, MetricRollup.max_step,
-                   MetricRollup.max_value).where(
-                MetricRollup.run_id == run_id, MetricRollup.key.in_(keys), MetricRollup.width == width,
-                MetricRollup.bucket.between(lo_bucket, hi_bucket),
+            select(col(MetricRollup.key), col(MetricRollup.min_step), col(MetricRollup.min_value), col(MetricRollup.max_step),
+                   col(MetricRollup.max_value)).where(
+                col(MetricRollup.run_id) == run_id, col(MetricRollup.key).in_(keys), col(MetricRollup.width) == width,
+                col(MetricRollup.bucket).between(lo_bucket, hi_bucket),
             )
         ).all()  # fmt: skip
         for key, min_step, min_value, max_step, max_value in rows:
@@ -144,24 +161,9 @@ def _merge(parts: Sequence[tuple[int, float, int, float]], lo: int, hi: int, wan
     span = hi - lo + 1
     best: dict[int, list] = {}
     for min_step, min_value, max_step, max_value in parts:
-        if lo <= min_step <= hi:
-            entry = best.get((min_step - lo) * wanted // span)
-            if entry is None:
-                best[(min_step - lo) * wanted // span] = [min_step, min_value, min_step, min_value]
-            else:
-                if min_value < entry[1] or (min_value == entry[1] and min_step < entry[0]):
-                    entry[0], entry[1] = min_step, min_value
-                if min_value > entry[3] or (min_value == entry[3] and min_step < entry[2]):
-                    entry[2], entry[3] = min_step, min_value
-        if lo <= max_step <= hi:
-            entry = best.get((max_step - lo) * wanted // span)
-            if entry is None:
-                best[(max_step - lo) * wanted // span] = [max_step, max_value, max_step, max_value]
-            else:
-                if max_value > entry[3] or (max_value == entry[3] and max_step < entry[2]):
-                    entry[2], entry[3] = max_step, max_value
-                if max_value < entry[1] or (max_value == entry[1] and max_step < entry[0]):
-                    entry[0], entry[1] = max_step, max_value
+        for step, value in ((min_step, min_value), (max_step, max_value)):
+            if lo <= step <= hi:
+                _fold(best, (step - lo) * wanted // span, step, value)
     points: list[list[float | None]] = []
     for b in sorted(best):
         s1, v1, s2, v2 = best[b]

@@ -29,11 +29,6 @@ def create_token(engine: Engine, name: str) -> str:
     return token
 
 
-def has_tokens(engine: Engine) -> bool:
-    with Session(engine) as session:
-        return session.execute(select(ApiToken.id).where(ApiToken.revoked.is_(False)).limit(1)).first() is not None
-
-
 def verify_token(engine: Engine, token: str) -> ApiToken | None:
     digest = hash_token(token)
     with Session(engine, expire_on_commit=False) as session:

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col
+
+from collage.app.models import table_of
 
 from ..db import session_scope
 from ..models import (
@@ -27,36 +29,21 @@ from ..models import (
     Metric,
     MetricRollup,
     Run,
+    RunStatus,
     RunTag,
     Sample,
     SampleImage,
     utcnow,
 )  # fmt: skip
+from . import rollups
 from .images import image_info, write_image
+from .sql import dialect_insert
 
 NULL_REWARD = -1e300  # reward_sort of unscorable rows: below any real reward
 
 
 def new_run_id() -> str:
     return uuid.uuid4().hex[:16]
-
-
-def dialect_insert(session: Session, table):
-    """An INSERT with ``on_conflict_do_*`` for the session's database (SQLite or PostgreSQL)."""
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as dialect_insert
-    elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as dialect_insert
-    else:  # pragma: no cover - only SQLite and PostgreSQL are supported
-        raise RuntimeError(f"unsupported database dialect {dialect}")
-    return dialect_insert(table)
-
-
-def upsert(session: Session, table, rows: list[dict], keys: list[str], update_columns: list[str]) -> None:
-    stmt = dialect_insert(session, table)
-    stmt = stmt.on_conflict_do_update(index_elements=keys, set_={c: stmt.excluded[c] for c in update_columns})
-    session.execute(stmt, rows)
 
 
 def _clean(value: Any) -> float | None:
@@ -117,7 +104,7 @@ class StoreWriter:
             name=config["name"],
             algorithm=config["algorithm"],
             config=dict(config),
-            status="queued",
+            status=RunStatus.QUEUED,
             step=0,
             max_steps=config["train"]["max_steps"],
             model_path=config["model"]["path"],
@@ -133,50 +120,69 @@ class StoreWriter:
         return run
 
     def set_status(
-        self, run_id: str, status: str, error: str | None = None, worker: str | None = None, message: str | None = None
+        self,
+        run_id: str,
+        status: RunStatus,
+        error: str | None = None,
+        worker: str | None = None,
+        message: str | None = None,
     ) -> None:
         now = utcnow()
         values: dict[str, Any] = {"status": status, "updated_at": now}
-        if status == "running":
+        if status == RunStatus.RUNNING:
             values["started_at"] = now
             values["heartbeat_at"] = now
         if status in ENDED:
             values["finished_at"] = now
         if error is not None:
             values["error"] = error
-        if worker is not None:
-            values["worker"] = worker
         with session_scope(self.engine) as session:
-            session.execute(update(Run).where(Run.id == run_id).values(**values))
-            level = "error" if status == "failed" else "info"
+            session.execute(update(Run).where(col(Run.id) == run_id).values(**values))
+            level = "error" if status == RunStatus.FAILED else "info"
             session.add(Event(run_id=run_id, level=level, message=message or f"status: {status}"))
 
-    def set_progress(self, run_id: str, step: int, max_steps: int | None = None) -> None:
-        values: dict[str, Any] = {"step": step, "updated_at": utcnow()}
-        if max_steps is not None:
-            values["max_steps"] = max_steps
+    def set_progress(self, run_id: str, step: int) -> None:
+        """The training process reached ``step`` (a beat of its heartbeat too)."""
+        now = utcnow()
         with session_scope(self.engine) as session:
-            session.execute(update(Run).where(Run.id == run_id).values(**values))
+            session.execute(
+                update(Run).where(col(Run.id) == run_id).values(step=step, updated_at=now, heartbeat_at=now)
+            )
 
-    def heartbeat(self, run_id: str, worker: str | None = None) -> None:
-        values: dict[str, Any] = {"heartbeat_at": utcnow()}
-        if worker is not None:
-            values["worker"] = worker
+    def begin_attempt(self, run_id: str, resumed_from_step: int, max_steps: int) -> None:
+        """A training process starts (or resumes) the run at ``resumed_from_step``: whatever an earlier attempt
+        wrote after that step is removed, so this attempt rewrites it (metrics, rollups, rows, checkpoints)."""
         with session_scope(self.engine) as session:
-            session.execute(update(Run).where(Run.id == run_id).values(**values))
+            ids = select(col(Sample.id)).where(col(Sample.run_id) == run_id, col(Sample.step) > resumed_from_step)
+            session.execute(delete(SampleImage).where(col(SampleImage.sample_id).in_(ids)))
+            session.execute(delete(Sample).where(col(Sample.run_id) == run_id, col(Sample.step) > resumed_from_step))
+            rollups.truncate(session, run_id, resumed_from_step)
+            session.execute(
+                delete(Checkpoint).where(col(Checkpoint.run_id) == run_id, col(Checkpoint.step) > resumed_from_step)
+            )
+            session.execute(
+                update(Run).where(col(Run.id) == run_id).values(step=resumed_from_step, max_steps=max_steps)
+            )
+
+    def run_status(self, run_id: str) -> str | None:
+        """The run's status now (``None``: the run was deleted)."""
+        with Session(self.engine) as session:
+            return session.execute(select(col(Run.status)).where(col(Run.id) == run_id)).scalar_one_or_none()
+
+    def heartbeat(self, run_id: str) -> None:
+        with session_scope(self.engine) as session:
+            session.execute(update(Run).where(col(Run.id) == run_id).values(heartbeat_at=utcnow()))
 
     # --------------------------------------------------------------- events
     def add_event(self, run_id: str, level: str, message: str) -> None:
         with session_scope(self.engine) as session:
             session.add(Event(run_id=run_id, level=level, message=message))
             if level == "warning":
-                session.execute(update(Run).where(Run.id == run_id).values(warning_count=Run.warning_count + 1))
+                session.execute(update(Run).where(col(Run.id) == run_id).values(warning_count=Run.warning_count + 1))
 
     # -------------------------------------------------------------- metrics
     def append_metrics(self, run_id: str, step: int, metrics: Mapping[str, Any]) -> None:
         """Upsert one step's metrics and fold them into the per-bucket rollups, in one transaction."""
-        from . import rollups
-
         values = {k: _clean(v) for k, v in metrics.items()}
         if not values:
             return
@@ -184,12 +190,12 @@ class StoreWriter:
         with session_scope(self.engine) as session:
             before = dict(
                 session.execute(
-                    select(Metric.key, Metric.value).where(
-                        Metric.run_id == run_id, Metric.step == step, Metric.key.in_(list(values))
+                    select(col(Metric.key), col(Metric.value)).where(
+                        col(Metric.run_id) == run_id, col(Metric.step) == step, col(Metric.key).in_(list(values))
                     )
                 ).all()
             )
-            stmt = dialect_insert(session, Metric.__table__)
+            stmt = dialect_insert(session, table_of(Metric))
             stmt = stmt.on_conflict_do_update(
                 index_elements=["run_id", "key", "step"], set_={"value": stmt.excluded.value}
             )
@@ -199,13 +205,6 @@ class StoreWriter:
             fresh = {k: v for k, v in values.items() if k not in before and v is not None}
             rollups.add_points(session, run_id, step, fresh)
             rollups.recompute(session, run_id, changed, [step])
-
-    def truncate_metrics(self, run_id: str, after_step: int) -> None:
-        """Remove every metric after ``after_step`` (a run resumed from the checkpoint at that step)."""
-        from . import rollups
-
-        with session_scope(self.engine) as session:
-            rollups.truncate(session, run_id, after_step)
 
     # -------------------------------------------------------------- samples
     def append_samples(self, run_id: str, step: int, rows: Iterable[Any]) -> int:
@@ -255,13 +254,13 @@ class StoreWriter:
             )
         with session_scope(self.engine) as session:
             if image_rows:
-                stmt = dialect_insert(session, Image.__table__).on_conflict_do_nothing(index_elements=["sha256"])
+                stmt = dialect_insert(session, table_of(Image)).on_conflict_do_nothing(index_elements=["sha256"])
                 session.execute(stmt, image_rows)
             # a redelivered step replaces what the earlier delivery wrote
-            session.execute(delete(Sample).where(Sample.run_id == run_id, Sample.step == step))
+            session.execute(delete(Sample).where(col(Sample.run_id) == run_id, col(Sample.step) == step))
             if sample_rows:
                 result = session.execute(
-                    insert(Sample.__table__).returning(Sample.__table__.c.id, sort_by_parameter_order=True), sample_rows
+                    insert(table_of(Sample)).returning(table_of(Sample).c.id, sort_by_parameter_order=True), sample_rows
                 )
                 ids = [r[0] for r in result]
                 links = [
@@ -270,13 +269,13 @@ class StoreWriter:
                     for pos, sha in enumerate(shas)
                 ]
                 if links:
-                    session.execute(insert(SampleImage.__table__), links)
+                    session.execute(insert(table_of(SampleImage)), links)
         return len(sample_rows)
 
     # ---------------------------------------------------------- checkpoints
     def add_checkpoint(self, run_id: str, step: int, path: str) -> None:
         with session_scope(self.engine) as session:
-            stmt = dialect_insert(session, Checkpoint.__table__).on_conflict_do_update(
+            stmt = dialect_insert(session, table_of(Checkpoint)).on_conflict_do_update(
                 index_elements=["run_id", "step"], set_={"path": path}
             )
             session.execute(stmt, [{"run_id": run_id, "step": step, "path": path, "created_at": utcnow()}])
@@ -284,13 +283,9 @@ class StoreWriter:
     def delete_run(self, run_id: str) -> None:
         with session_scope(self.engine) as session:
             # children first: SQLite enforces the cascades, but deleting explicitly keeps it one fast statement each
-            sample_ids = select(Sample.id).where(Sample.run_id == run_id)
-            session.execute(delete(SampleImage).where(SampleImage.sample_id.in_(sample_ids)))
+            sample_ids = select(col(Sample.id)).where(col(Sample.run_id) == run_id)
+            session.execute(delete(SampleImage).where(col(SampleImage.sample_id).in_(sample_ids)))
             for table in (Sample, Metric, MetricRollup, Event, Checkpoint, RunTag):
-                session.execute(delete(table).where(table.run_id == run_id))
-            session.execute(update(Run).where(Run.parent_id == run_id).values(parent_id=None))
-            session.execute(delete(Run).where(Run.id == run_id))
-
-    def count_samples(self, run_id: str) -> int:
-        with Session(self.engine) as session:
-            return session.exec(select(func.count()).select_from(Sample).where(Sample.run_id == run_id)).one()[0]
+                session.execute(delete(table).where(col(table.run_id) == run_id))
+            session.execute(update(Run).where(col(Run.parent_id) == run_id).values(parent_id=None))
+            session.execute(delete(Run).where(col(Run.id) == run_id))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from training.config import RunConfig
+from collage.training.config import RunConfig
 
 HELP: dict[str, tuple[str, str]] = {
     # path: (help, kind) - kind: text | int | float | bool | choice | optional-int | optional-float

@@ -18,16 +18,16 @@ from ..store.tokens import verify_token
 from .fields import form_fields
 from .session import CSRF_FIELD, csrf_ok, csrf_token, logged_in_token_id
 
-TEMPLATES = Jinja2Templates(directory=str(Path(__file__).resolve().parents[2] / "templates"))
+
+def _templates_dir() -> Path:
+    import collage.templates  # package data: the pages ship inside the wheel
+
+    return Path(collage.templates.__file__).resolve().parent
+
+
+TEMPLATES = Jinja2Templates(directory=str(_templates_dir()))
 
 router = APIRouter(include_in_schema=False)
-
-
-def reward_column(name: str) -> str:
-    """The name a reward's values are stored under (the trainer's ``Reward.name``)."""
-    if name.startswith(("/", ".", "~")) or Path(name).expanduser().is_dir():
-        return Path(name).name  # a text reward model folder
-    return name.rpartition(":")[2]
 
 
 def _user(request: Request) -> ApiToken | None:
@@ -55,7 +55,7 @@ def _safe_next(value: str | None) -> str:
 
 
 @router.get("/login")
-def login_page(request: Request, token: str | None = None, next: str | None = None) -> Response:  # noqa: A002
+def login_page(request: Request, token: str | None = None, next: str | None = None) -> Response:
     if token:  # the login link `collage serve` prints
         found = verify_token(request.app.state.engine, token)
         if found is None:
@@ -71,7 +71,7 @@ def login(
     request: Request,
     token: Annotated[str, Form()] = "",
     csrf_token_field: Annotated[str, Form(alias=CSRF_FIELD)] = "",
-    next: Annotated[str, Form()] = "",  # noqa: A002
+    next: Annotated[str, Form()] = "",
 ) -> Response:
     if not csrf_ok(request, csrf_token_field):
         return _render(request, "login.html", 403, error="The form expired: please try again.", next=next)

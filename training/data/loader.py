@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import CollageError
 from .rows import RawRow, RowError, Sample
 
 
-class DatasetError(ValueError):
+class DatasetError(CollageError, ValueError):
     """The dataset cannot be used; ``errors`` lists every bad row when that is the reason."""
 
     def __init__(self, message: str, errors: list[RowError] | None = None):
@@ -52,9 +53,13 @@ class LoadedDataset:
 
     def load_all(self) -> list[Sample]:
         """All rows as samples; raises :class:`DatasetError` listing every bad row (nothing is skipped)."""
-        good, bad = [], []
+        good: list[Sample] = []
+        bad: list[RowError] = []
         for item in self.samples():
-            (bad if isinstance(item, RowError) else good).append(item)
+            if isinstance(item, RowError):
+                bad.append(item)
+            else:
+                good.append(item)
         if bad:
             raise DatasetError(f"{self.source}: {len(bad)} of {len(self.rows)} rows are unusable", bad)
         return good
@@ -107,7 +112,7 @@ def _read_file(file: Path, offset: int = 0) -> list[RawRow]:
 
 
 def _read_jsonl(file: Path, offset: int) -> list[RawRow]:
-    rows = []
+    rows: list[RawRow] = []
     with file.open(encoding="utf-8") as fh:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():

@@ -13,11 +13,13 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from ..errors import CollageError
+
 ROLES = ("system", "user", "assistant")
 RESERVED_COLUMNS = ("prompt", "images", "image")
 
 
-class RowError(ValueError):
+class RowError(CollageError, ValueError):
     """A problem with one dataset row; ``row`` is its 0-based index in the split."""
 
     def __init__(self, row: int, message: str):
@@ -145,6 +147,7 @@ def open_image(row: int, index: int, ref: Any, base_dir: Path | None) -> Image.I
         if data is None and not path:
             raise RowError(row, f"{what} is empty: no path and no bytes")
         if data is None:
+            assert path is not None  # checked above: a path or bytes
             file = Path(path)
             if not file.is_absolute() and base_dir is not None:
                 file = base_dir / file

@@ -27,6 +27,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from ..errors import CollageError
 from ..home import cache_dir
 
 COLORS = {
@@ -128,7 +129,7 @@ TASKS: dict[str, Task] = {
 }
 
 
-class SynthError(ValueError):
+class SynthError(CollageError, ValueError):
     pass
 
 

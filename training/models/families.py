@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import CollageError
+
 GRID = "grid"  # Qwen-VL: flat patch rows for the whole batch + image_grid_thw per image
 IMAGE_INDEXED = "image_indexed"  # LLaVA / Gemma3: one entry per image, no per-sample axis
 BATCH_PADDED = "batch_padded"  # Idefics3 / SmolVLM: (batch, max_images, 3, H, W) + pixel_attention_mask
@@ -100,7 +102,7 @@ FAMILIES: dict[str, Family] = {
 TINY_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.tiny)
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(CollageError, ValueError):
     pass
 
 

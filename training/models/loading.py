@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..errors import CollageError
 from ..home import cache_dir
 from .families import Family, UnsupportedModelError, family_for_model_type
 from .tiny import BUILDERS, build_tiny
@@ -18,7 +19,7 @@ from .tiny import BUILDERS, build_tiny
 TINY_PREFIX = "tiny:"
 
 
-class ProcessorError(RuntimeError):
+class ProcessorError(CollageError, RuntimeError):
     pass
 
 

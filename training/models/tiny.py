@@ -13,6 +13,7 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .families import TINY_FAMILIES, UnsupportedModelError
 
@@ -160,7 +161,7 @@ def _build_qwen(out: Path, version: str) -> None:
         from transformers import Qwen2VLProcessor as Processor
         from transformers import Qwen2VLVideoProcessor as VideoProcessor
 
-        vision = dict(
+        vision: dict[str, Any] = dict(
             depth=2,
             embed_dim=32,
             hidden_size=HIDDEN,
@@ -171,8 +172,8 @@ def _build_qwen(out: Path, version: str) -> None:
             temporal_patch_size=2,
         )
     else:
-        from transformers import Qwen2_5_VLConfig as Config
-        from transformers import Qwen2_5_VLProcessor as Processor
+        from transformers import Qwen2_5_VLConfig as Config  # type: ignore[assignment]
+        from transformers import Qwen2_5_VLProcessor as Processor  # type: ignore[assignment]
         from transformers import Qwen2VLImageProcessor as ImageProcessor
         from transformers import Qwen2VLVideoProcessor as VideoProcessor
 
@@ -327,7 +328,7 @@ def build_tiny_reward_model(out: str | Path) -> Path:
     )
     config = LlamaConfig(
         **_text_config(len(tokenizer)),
-        num_labels=1,
+        num_labels=1,  # type: ignore[call-arg]  # a PretrainedConfig keyword the stubs do not list
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

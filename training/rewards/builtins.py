@@ -9,6 +9,7 @@ column as a list, and returns one ``float`` or ``None`` (not applicable) per sam
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -70,7 +71,7 @@ def accuracy(completions: list[Any], answer: list[Any] | None = None, **_: Any) 
     return out
 
 
-def format(completions: list[Any], **_: Any) -> list[float]:  # noqa: A001 - the contract's reward name
+def format(completions: list[Any], **_: Any) -> list[float]:
     """1.0 for a completion that is exactly ``<answer>...</answer>`` (whitespace allowed around it), 0.5 for
     one that starts with ``<answer>`` or holds an answer block somewhere, else 0.0."""
     out = []
@@ -139,7 +140,7 @@ def red_count(completions: list[Any], images: list[list[Any]], prompts: list[Any
     return out
 
 
-BUILTINS = {
+BUILTINS: dict[str, Callable[..., Any]] = {
     "accuracy": accuracy,
     "format": format,
     "numeric": numeric,

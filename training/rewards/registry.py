@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import CollageError
 from .builtins import BUILTINS, completion_text, prompt_text
 
 
-class RewardError(RuntimeError):
+class RewardError(CollageError, RuntimeError):
     """A reward function failed; the message names the function, the sample and carries the traceback."""
 
     def __init__(self, message: str, row: int | None = None, traceback_text: str = ""):
@@ -28,7 +29,7 @@ class RewardError(RuntimeError):
         super().__init__(message + (f"\n{traceback_text}" if traceback_text else ""))
 
 
-class UnknownRewardError(ValueError):
+class UnknownRewardError(CollageError, ValueError):
     pass
 
 
@@ -132,13 +133,17 @@ def _describe_sample(batch: RewardBatch, i: int) -> str:
     )
 
 
+async def _awaited(result: Any) -> Any:
+    return await result
+
+
 def _blame(reward: Reward, batch: RewardBatch, exc: BaseException) -> RewardError:
     """Find the first sample on which the function raises alone, so the error can name it."""
     for i in range(len(batch.rows)):
         try:
             result = reward.fn(**batch.kwargs([i]), **reward.args)
             if inspect.isawaitable(result):
-                asyncio.run(result)
+                asyncio.run(_awaited(result))
         except Exception as single:  # noqa: BLE001 - any exception from user code is reported
             tb = "".join(traceback.format_exception(type(single), single, single.__traceback__))
             return RewardError(f"reward {reward.name!r} raised on {_describe_sample(batch, i)}", batch.rows[i], tb)
@@ -161,7 +166,7 @@ def score(rewards: Sequence[Reward], batch: RewardBatch) -> list[list[float]]:
             continue
         try:
             values = _call_sync(reward, kwargs)
-        except Exception as exc:  # noqa: BLE001 - user code: report which sample broke it
+        except Exception as exc:  # user code: re-raised naming the rows that broke it
             raise _blame(reward, batch, exc) from exc
         columns[k] = _check_output(reward, values, n)
     if pending:

@@ -43,7 +43,7 @@ class TextRewardModel:
     def render(self, prompt: list[dict[str, Any]], completion: str) -> str:
         messages = [*self.text_only(prompt), {"role": "assistant", "content": completion}]
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False))
         return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
     @torch.no_grad()

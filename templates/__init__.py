@@ -1,0 +1,1 @@
+"""The dashboard's Jinja2 pages, shipped as package data of ``collage.templates``."""
