@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from training.rewards.builtins import completion_text
+from collage.training.rewards.builtins import completion_text
 
 DIGITS = set("0123456789")
 

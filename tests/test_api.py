@@ -603,7 +603,7 @@ def test_db_upgrade_and_token_create_cli(tmp_path):
 
 def test_the_web_app_does_not_load_the_training_stack():
     code = (
-        "import sys, app.main, app.routers.runs, app.routers.samples, app.routers.datasets, app.routers.catalog, app.web.pages;"
+        "import sys, collage.app.main, collage.app.routers.runs, collage.app.routers.samples, collage.app.routers.datasets, collage.app.routers.catalog, collage.app.web.pages;"
         "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'peft', 'collage.training.trainer') if m in sys.modules];"
         "print(heavy)"
     )
