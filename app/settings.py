@@ -17,7 +17,21 @@ ENV_VARS = (
     "COLLAGE_HEARTBEAT_INTERVAL",
     "COLLAGE_HEARTBEAT_TIMEOUT",
     "COLLAGE_CANCEL_GRACE",
+    "COLLAGE_REWARD_MODULES",
+    "COLLAGE_DATA_ROOTS",
+    "COLLAGE_MODEL_ROOTS",
+    "COLLAGE_MAX_EXPORTS",
+    "COLLAGE_FORWARDED_ALLOW_IPS",
 )
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _paths(value: str | None) -> tuple[Path, ...]:
+    # os.pathsep-separated like PATH (a comma may be part of a folder name)
+    return tuple(Path(v).expanduser() for v in (value or "").split(os.pathsep) if v.strip())
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,19 @@ class Settings:
     heartbeat_interval: float = 5.0  # seconds between a running run's heartbeats
     heartbeat_timeout: float = 60.0  # a running run without a heartbeat for this long is marked failed
     cancel_grace: float = 60.0  # seconds a cancelled run may take to checkpoint before it is killed
+    # modules (and their submodules) whose functions API-submitted runs may name as rewards ("module:function")
+    reward_modules: tuple[str, ...] = ()
+    # local dataset / model folders an API client may name must lie under these (default: COLLAGE_HOME alone)
+    data_roots: tuple[Path, ...] = ()
+    model_roots: tuple[Path, ...] = ()
+    max_exports: int = 4  # concurrent export downloads per web process; more are answered 429
+    forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-Proto/For are believed (uvicorn's option)
+
+    def allowed_data_roots(self) -> tuple[Path, ...]:
+        return self.data_roots or (self.home,)
+
+    def allowed_model_roots(self) -> tuple[Path, ...]:
+        return self.model_roots or (self.home,)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -45,6 +72,11 @@ class Settings:
             heartbeat_interval=float(os.environ.get("COLLAGE_HEARTBEAT_INTERVAL", 5.0)),
             heartbeat_timeout=float(os.environ.get("COLLAGE_HEARTBEAT_TIMEOUT", 60.0)),
             cancel_grace=float(os.environ.get("COLLAGE_CANCEL_GRACE", 60.0)),
+            reward_modules=_names(os.environ.get("COLLAGE_REWARD_MODULES")),
+            data_roots=_paths(os.environ.get("COLLAGE_DATA_ROOTS")),
+            model_roots=_paths(os.environ.get("COLLAGE_MODEL_ROOTS")),
+            max_exports=int(os.environ.get("COLLAGE_MAX_EXPORTS", 4)),
+            forwarded_allow_ips=os.environ.get("COLLAGE_FORWARDED_ALLOW_IPS", "127.0.0.1"),
         )
 
 
