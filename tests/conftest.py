@@ -186,7 +186,11 @@ def api(database_url, tmp_path):
     from collage.app.store.tokens import create_token
 
     settings = Settings(
-        home=tmp_path, database_url=database_url, broker_url="memory://", artifacts=tmp_path / "artifacts"
+        home=tmp_path,
+        database_url=database_url,
+        broker_url="memory://",
+        artifacts=tmp_path / "artifacts",
+        reward_modules=("tests.rewards_for_tests",),
     )
     dispatcher = RecordingDispatcher()
     app = create_app(settings, dispatcher)

@@ -100,10 +100,12 @@ class Cluster:
             "COLLAGE_HEARTBEAT_INTERVAL": "1",
             "COLLAGE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
             "COLLAGE_CANCEL_GRACE": "30",
+            "COLLAGE_REWARD_MODULES": "tests.rewards_for_tests",
             "OMP_NUM_THREADS": "1",
         }
         self.settings = Settings(home=home, database_url=database_url, broker_url=broker_url, artifacts=artifacts,
-                                 heartbeat_interval=1, heartbeat_timeout=HEARTBEAT_TIMEOUT, cancel_grace=30)  # fmt: skip
+                                 heartbeat_interval=1, heartbeat_timeout=HEARTBEAT_TIMEOUT, cancel_grace=30,
+                                 reward_modules=("tests.rewards_for_tests",))  # fmt: skip
         self.engine = engine_for(database_url)
         self.app = create_app(self.settings, CeleryDispatcher(self.settings, self.engine))
         token = create_token(self.engine, "workers-test")
@@ -335,7 +337,8 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
     """`collage serve` on a fresh COLLAGE_HOME: SQLite store, SQLite broker, one embedded worker; a run
     submitted with `collage submit --follow` trains to the end; Ctrl-C stops everything."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLLAGE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLLAGE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1",
+           "COLLAGE_REWARD_MODULES": "tests.rewards_for_tests"}  # fmt: skip
     for key in ("COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS"):
         env.pop(key, None)
     log = tmp_path / "serve.log"
