@@ -17,16 +17,17 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 FROM ${BASE}
 # the extras this image installs: web,postgres,redis for the web node, worker,postgres,redis for GPU workers
 ARG EXTRAS=web,postgres,redis
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 COLLAGE_HOME=/data
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 COLLAGE_HOME=/home-web
 COPY --from=wheel /dist /tmp/dist
 RUN pip install --no-cache-dir "$(ls /tmp/dist/collage_rl-*.whl)[${EXTRAS}]" && rm -rf /tmp/dist
 COPY examples /opt/collage/examples
 
 # never root: the web node and the workers run as this user
-RUN useradd --create-home --uid 1000 collage && mkdir -p /data && chown collage /data
+RUN useradd --create-home --uid 1000 collage \
+    && mkdir -p /home-web /home-worker /artifacts /datasets /models \
+    && chown collage /home-web /home-worker /artifacts /datasets /models
 USER collage
 WORKDIR /home/collage
-VOLUME ["/data"]
 EXPOSE 8000
 # the web node; workers override the command (see docker-compose.yml)
 CMD ["collage", "serve", "--host", "0.0.0.0", "--port", "8000", "--workers", "0"]

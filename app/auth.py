@@ -1,48 +1,76 @@
-"""Bearer-token authentication for every route but ``/health``."""
+"""Who is calling: a bearer API token, or the browser session of someone who logged in with one. Every route but
+``/health`` (and the login pages) needs one; token management needs the admin role."""
 
 from __future__ import annotations
 
-from fastapi import HTTPException, Request
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlmodel import Session
 
-from .models import ApiToken
-from .store.tokens import verify_token
-from .web.session import CSRF_HEADER, csrf_ok, logged_in_token_id
+from .models import ApiToken, Run
+from .store.tokens import TokenRole, verify_token
+from .web.session import CSRF_HEADER, csrf_ok, current_session
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 bearer = HTTPBearer(auto_error=False, description="an API token from `collage token create`")
 
 UNAUTHORIZED = {401: {"description": "missing or invalid API token"}}
+FORBIDDEN = {403: {"description": "the token's role does not allow this"}}
 
 
-def _session_token(request: Request, token_id: int) -> ApiToken | None:
-    with Session(request.app.state.engine) as session:
-        token = session.get(ApiToken, token_id)
-    return token if token is not None and not token.revoked else None
-
-
-async def require_token(request: Request) -> ApiToken:
-    """A bearer token, or the browser session of someone who logged in with one (then unsafe methods also
-    need the session's CSRF token in the X-CSRF-Token header)."""
+async def optional_token(request: Request) -> ApiToken | None:
+    """The caller's token, ``None`` when the request carries none; a bad one is still a 401."""
     credentials: HTTPAuthorizationCredentials | None = await bearer(request)
     token = credentials.credentials if credentials is not None else None
-    if not token and request.headers.get("authorization") is None:
-        token_id = logged_in_token_id(request)
-        if token_id is not None:
-            found = await run_in_threadpool(_session_token, request, token_id)
-            if found is None:
-                raise HTTPException(401, "your session's API token was revoked: log in again")
-            if request.method not in SAFE_METHODS and not csrf_ok(request, request.headers.get(CSRF_HEADER)):
-                raise HTTPException(403, "missing or invalid CSRF token (X-CSRF-Token header)")
-            return found
+    if not token and not request.headers.get("authorization"):
+        live = await run_in_threadpool(current_session, request)
+        if live is None:
+            return None
+        if request.method not in SAFE_METHODS and not csrf_ok(request, request.headers.get(CSRF_HEADER)):
+            raise HTTPException(403, "missing or invalid CSRF token (X-CSRF-Token header)")
+        request.state.token = live[1]
+        return live[1]
     if not token:
         raise HTTPException(
             401, "missing API token: send 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"}
         )
     found = await run_in_threadpool(verify_token, request.app.state.engine, token)
     if found is None:
-        raise HTTPException(401, "invalid or revoked API token", {"WWW-Authenticate": "Bearer"})
+        raise HTTPException(401, "invalid, expired or revoked API token", {"WWW-Authenticate": "Bearer"})
+    request.state.token = found
     return found
+
+
+async def token_if_valid(request: Request) -> ApiToken | None:
+    """For routes that answer everyone (``/health``): the caller's token, or ``None`` for none or a bad one."""
+    try:
+        return await optional_token(request)
+    except HTTPException:
+        return None
+
+
+async def require_token(token: Annotated[ApiToken | None, Depends(optional_token)]) -> ApiToken:
+    if token is None:
+        raise HTTPException(
+            401, "missing API token: send 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"}
+        )
+    return token
+
+
+async def require_admin(token: Annotated[ApiToken, Depends(require_token)]) -> ApiToken:
+    if token.role != TokenRole.ADMIN:
+        raise HTTPException(403, f"token {token.name!r} is a member token: this needs an admin token")
+    return token
+
+
+def may_change(token: ApiToken, run: Run) -> bool:
+    """Admins change any run; members only the runs they created."""
+    return token.role == TokenRole.ADMIN or (run.created_by is not None and run.created_by == token.id)
+
+
+def check_may_change(token: ApiToken, run: Run, action: str) -> None:
+    if not may_change(token, run):
+        raise HTTPException(403, f"only the run's creator or an admin may {action} run {run.id}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -105,16 +106,53 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_token_create(args: argparse.Namespace) -> int:
+def _store_engine():
     from .db import check_migrated, engine_for
     from .settings import get_settings
-    from .store.tokens import create_token
 
     engine = engine_for(get_settings().database_url)
     check_migrated(engine)
-    token = create_token(engine, args.name)
+    return engine
+
+
+def _cmd_token_create(args: argparse.Namespace) -> int:
+    from .store.tokens import create_token
+
+    token = create_token(_store_engine(), args.name, args.role, args.expires)
     print(token)
-    print(f"API token {args.name!r} created; it is shown only this once.", file=sys.stderr)
+    print(f"API token {args.name!r} ({args.role}) created; it is shown only this once.", file=sys.stderr)
+    return 0
+
+
+def _cmd_token_list(args: argparse.Namespace) -> int:
+    from .store.tokens import list_tokens, usable
+
+    rows = [("NAME", "ROLE", "PREFIX", "CREATED", "LAST USED", "EXPIRES", "STATE")]
+    for t in list_tokens(_store_engine()):
+        state = "revoked" if t.revoked else ("live" if usable(t) else "expired")
+        when = [f"{d:%Y-%m-%d %H:%M}" if d else "-" for d in (t.created_at, t.last_used_at, t.expires_at)]
+        rows.append((t.name, t.role, t.prefix + "…", *when, state))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _cmd_token_revoke(args: argparse.Namespace) -> int:
+    from .store.tokens import revoke_token
+
+    revoke_token(_store_engine(), args.name)
+    print(f"revoked {args.name!r}: its API access and browser sessions have ended", file=sys.stderr)
+    return 0
+
+
+def _cmd_token_link(args: argparse.Namespace) -> int:
+    from .store.tokens import create_login_link
+
+    code = create_login_link(_store_engine(), args.name)
+    base = (args.server or os.environ.get("COLLAGE_SERVER") or "http://127.0.0.1:8000").rstrip("/")
+    print(f"{base}/login/link/{code}")
+    print("one-time login link: single use, valid for 10 minutes", file=sys.stderr)
     return 0
 
 
@@ -254,7 +292,19 @@ def build_parser() -> argparse.ArgumentParser:
     token = commands.add_parser("token", help="API tokens").add_subparsers(dest="sub", required=True)
     token_create = token.add_parser("create", help="print a new API token (shown once)")
     token_create.add_argument("name")
+    token_create.add_argument("--role", choices=("admin", "member"), default="member",
+                              help="admin: manages tokens, changes any run; member: changes only its own runs")  # fmt: skip
+    token_create.add_argument("--expires", type=float, metavar="DAYS", help="the token stops working after DAYS")
     token_create.set_defaults(func=_cmd_token_create)
+    token_list = token.add_parser("list", help="tokens with role, dates and state (never the secret)")
+    token_list.set_defaults(func=_cmd_token_list)
+    token_revoke = token.add_parser("revoke", help="end a token's API access and browser sessions now")
+    token_revoke.add_argument("name")
+    token_revoke.set_defaults(func=_cmd_token_revoke)
+    token_link = token.add_parser("link", help="print a one-time login URL for a token (single use, 10 minutes)")
+    token_link.add_argument("name")
+    token_link.add_argument("--server", help="the dashboard's base URL (default $COLLAGE_SERVER or 127.0.0.1:8000)")
+    token_link.set_defaults(func=_cmd_token_link)
 
     train = commands.add_parser("train", help="run one GRPO/RLOO run in the foreground, no server")
     train.add_argument("config", help="run config (YAML)")

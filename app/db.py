@@ -6,6 +6,7 @@ write at the same time; PostgreSQL is used as is through ``COLLAGE_DATABASE_URL`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -29,13 +30,31 @@ def normalise_url(url: str) -> str:
     return url
 
 
+# The web app runs sync routes and streamed downloads on anyio's worker threads (40 by default), each holding at
+# most one connection at a time on its hot paths: a pool smaller than that makes requests wait for connections
+# (and time out) under load. Idle connections beyond POOL_SIZE are closed, so the headroom costs nothing at rest.
+SERVER_THREADS = 40
+POOL_SIZE = 10
+POOL_OVERFLOW = SERVER_THREADS + 10 - POOL_SIZE  # room for a request's short inner sessions too
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` (and its folder) readable by its owner alone: a SQLite store or broker holds token
+    hashes, sessions and every run. SQLite gives its -wal and -shm files the database file's mode."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    os.chmod(path, 0o600)
+
+
 def make_engine(url: str) -> Engine:
     url = normalise_url(url)
     if url.startswith("sqlite"):
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        path = url.split("///", 1)[1] if "///" in url else ""
+        on_disk = path not in ("", ":memory:")  # an in-memory database keeps SQLAlchemy's one-connection pool
+        pool = {"pool_size": POOL_SIZE, "max_overflow": POOL_OVERFLOW} if on_disk else {}
+        if on_disk:
+            private_file(Path(path))
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):
@@ -59,8 +78,8 @@ def make_engine(url: str) -> Engine:
     return create_engine(
         url,
         pool_pre_ping=True,
-        pool_size=10,
-        max_overflow=20,
+        pool_size=POOL_SIZE,
+        max_overflow=POOL_OVERFLOW,
         connect_args={"options": "-c plan_cache_mode=force_custom_plan"},
     )
 
@@ -102,10 +121,24 @@ def upgrade(url: str, revision: str = "head") -> None:
 
     engine = make_engine(url)  # ours: SQLite's folder is created and its pragmas are on
     try:
-        with engine.begin() as connection:
-            config = alembic_config(url)
-            config.attributes["connection"] = connection
-            command.upgrade(config, revision)
+        with engine.connect() as connection:
+            sqlite = connection.dialect.name == "sqlite"
+            if sqlite:
+                # SQLite alters a table by copying it into a new one and dropping the old one: with foreign keys
+                # on, that drop would cascade-delete every row that references it (a run's metrics, samples...).
+                # The pragma only takes effect outside a transaction, so it goes first.
+                connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                connection.commit()
+            with connection.begin():
+                config = alembic_config(url)
+                config.attributes["connection"] = connection
+                command.upgrade(config, revision)
+                if sqlite:
+                    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise RuntimeError(f"migration left rows that break foreign keys: {broken[:5]}")
+            if sqlite:
+                connection.exec_driver_sql("PRAGMA foreign_keys=ON")
     finally:
         engine.dispose()
 

@@ -1,8 +1,25 @@
-"""Refuse request bodies above a size limit (413) before the app reads them."""
+"""ASGI guards in front of every route: refuse request bodies above a size limit (413) before the app reads them,
+and NUL bytes in query or path parameters (422)."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
+from urllib.parse import parse_qsl
+
+from collage.training.config import NUL_MESSAGE
+
+
+async def _send_json(send, status: int, content: Any) -> None:
+    body = json.dumps(content).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 class BodySizeLimit:
@@ -40,16 +57,48 @@ class BodySizeLimit:
 
     @staticmethod
     async def _reject(send, status: int, detail: str):
-        body = json.dumps({"detail": detail}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, status, {"detail": detail})
 
 
 class _TooLarge(Exception):
     pass
+
+
+class RefuseNul:
+    """A NUL byte in a query or path parameter is a 422 naming it (``query.q``, ``path.run_id``) before any
+    route sees it: PostgreSQL refuses NUL in text, and no name, id or search text holds one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (where := nul_parameter(scope)) is not None:
+            return await _send_json(send, 422, {"detail": [{"path": where, "message": NUL_MESSAGE}]})
+        return await self.app(scope, receive, send)
+
+
+def nul_parameter(scope) -> str | None:
+    """The first query or path parameter of a request that holds a NUL byte, as ``query.<name>`` or
+    ``path.<name>`` (plain ``query`` / ``path`` when no name can be given)."""
+    query = scope.get("query_string", b"").decode("latin-1")
+    if "\x00" in query or "%00" in query:
+        for name, value in parse_qsl(query, keep_blank_values=True):
+            if "\x00" in name:
+                return "query"
+            if "\x00" in value:
+                return f"query.{name}"
+    path = scope.get("path", "")
+    if "\x00" in path:  # the path is percent-decoded already
+        return _path_parameter(scope.get("app"), path)
+    return None
+
+
+def _path_parameter(app, path: str) -> str:
+    """``path.<name>`` of the documented route template whose parameter segment holds the NUL byte."""
+    parts = path.split("/")
+    schema = app.openapi() if hasattr(app, "openapi") else {}
+    for template in schema.get("paths", {}):
+        names = template.split("/")
+        if len(names) == len(parts) and all(n == p or n.startswith("{") for n, p in zip(names, parts, strict=True)):
+            return next(f"path.{n.strip('{}')}" for n, p in zip(names, parts, strict=True) if "\x00" in p)
+    return "path"

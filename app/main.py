@@ -14,7 +14,7 @@ from collage.training.config import error_message, error_path, format_errors
 
 from .db import check_migrated, engine_for
 from .dispatch import Dispatcher
-from .limits import BodySizeLimit
+from .limits import BodySizeLimit, RefuseNul
 from .settings import Settings, get_settings
 from .store.writer import StoreWriter
 from .version import collage_version
@@ -58,18 +58,19 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     app.state.dispatcher = dispatcher
     Path(settings.artifacts).mkdir(parents=True, exist_ok=True)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    from starlette.middleware.sessions import SessionMiddleware
+    app.add_middleware(RefuseNul)
     from starlette.staticfiles import StaticFiles
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-    from .web.session import SESSION_COOKIE, session_secret
+    from .security_headers import SecurityHeaders
+    from .web.session import session_secret
 
-    app.add_middleware(
-        SessionMiddleware,
-        secret_key=session_secret(Path(settings.home)),
-        session_cookie=SESSION_COOKIE,
-        max_age=14 * 24 * 3600,
-        same_site="lax",
-    )
+    app.state.secret = session_secret(Path(settings.home))
+    app.state.cursor_key = app.state.secret.encode()  # signs API cursors (HMAC)
+    app.add_middleware(SecurityHeaders, docs_prefix=f"{API}/docs")
+    # behind a TLS proxy listed in COLLAGE_FORWARDED_ALLOW_IPS, X-Forwarded-Proto makes the request https (Secure
+    # cookies); anyone else's forwarded headers are ignored
+    app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
 
     @app.exception_handler(RequestValidationError)
@@ -88,16 +89,20 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
             from .validation import raw_semantic_errors
 
             seen = {path for path, _ in errors}
-            errors += [(p, m) for p, m in raw_semantic_errors(exc.body) if p not in seen]
+            errors += [(p, m) for p, m in raw_semantic_errors(exc.body, request.app.state.settings) if p not in seen]
         return validation_response(errors)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            # JSON nested thousands deep stops the parser itself: still a field-level 422, never a 500
+            return validation_response([("body", "nested too deeply to parse (at most 32 levels are allowed)")])
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=exc.headers)
 
-    from .routers import catalog, datasets, health, images, runs, samples
+    from .routers import catalog, datasets, health, images, runs, samples, tokens
 
-    for router in (health.router, runs.router, samples.router, images.router, datasets.router, catalog.router):
+    routers = (health, runs, samples, images, datasets, catalog, tokens)
+    for router in (module.router for module in routers):
         app.include_router(router, prefix=API)
     from .web import pages
 

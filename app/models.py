@@ -40,6 +40,10 @@ class Run(SQLModel, table=True):
     attempt: int = 1
     worker: str | None = Field(default=None, max_length=200)
     warning_count: int = 0
+    # the API token that created the run (members may change only their own runs); None: made before 0005
+    created_by: int | None = Field(
+        default=None, sa_column=Column(Integer, ForeignKey("api_tokens.id", ondelete="SET NULL"), nullable=True)
+    )
     parent_id: str | None = Field(
         default=None, sa_column=Column(String(32), ForeignKey("runs.id", ondelete="SET NULL"), nullable=True)
     )
@@ -65,6 +69,7 @@ class Event(SQLModel, table=True):
     time: datetime = Field(default_factory=utcnow)
     level: str = Field(max_length=16)
     message: str = Field(sa_column=Column(Text, nullable=False))
+    actor: str | None = Field(default=None, max_length=100)  # the token name behind a cancel, resume, ...
 
 
 class Metric(SQLModel, table=True):
@@ -161,6 +166,50 @@ class ApiToken(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow)
     last_used_at: datetime | None = None
     revoked: bool = False
+    role: str = Field(default="member", max_length=16)  # a TokenRole value
+    expires_at: datetime | None = None
+
+
+class WebSession(SQLModel, table=True):
+    """A browser session (server-side): the cookie holds a random id, stored here only as its SHA-256, so
+    logging out or revoking the token ends it at once."""
+
+    __tablename__ = "web_sessions"
+    __table_args__ = (Index("ix_web_sessions_token", "token_id"),)
+
+    id_hash: str = Field(primary_key=True, max_length=64)
+    token_id: int = Field(sa_column=Column(Integer, ForeignKey("api_tokens.id", ondelete="CASCADE"), nullable=False))
+    csrf: str = Field(max_length=64)
+    created_at: datetime = Field(default_factory=utcnow)
+    expires_at: datetime
+
+
+class LoginLink(SQLModel, table=True):
+    """A one-time login URL for a token: single use, short-lived, stored only as the SHA-256 of its code."""
+
+    __tablename__ = "login_links"
+
+    code_hash: str = Field(primary_key=True, max_length=64)
+    token_id: int = Field(sa_column=Column(Integer, ForeignKey("api_tokens.id", ondelete="CASCADE"), nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
+    expires_at: datetime
+    used_at: datetime | None = None
+
+
+class AuditEntry(SQLModel, table=True):
+    """Who did what to which run or token (kept when the run itself is deleted)."""
+
+    __tablename__ = "audit_log"
+
+    id: int | None = Field(
+        default=None,
+        sa_column=Column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    )
+    time: datetime = Field(default_factory=utcnow)
+    actor: str = Field(max_length=100)
+    action: str = Field(max_length=32)  # run.cancel, run.resume, run.delete, token.create, token.revoke, ...
+    target: str = Field(max_length=200)
+    detail: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
 
 
 class Worker(SQLModel, table=True):

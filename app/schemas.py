@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from collage.training.config import IMAGES_MAX, JSON_MAX_DEPTH, SEED_MAX, TOKENS_MAX, json_problem, no_nul
 
 
 class FieldError(BaseModel):
@@ -61,12 +63,29 @@ class RunPage(BaseModel):
     next_cursor: str | None
 
 
-class CloneRequest(BaseModel):
+class _Request(BaseModel):
+    """A request body: unknown keys refused, and no NUL byte in any string (PostgreSQL and process arguments
+    refuse them)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    _no_nul = field_validator("*")(no_nul)
+
+
+class CloneRequest(_Request):
     overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="config keys to change, nested like the config or dotted ({'train.max_steps': 10})",
     )
+
+    @field_validator("overrides")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # overrides nest like the config, whose deepest free-form field (rewards[i].args) starts 3 levels down;
+        # the size is bounded by the request body's limit and, once applied, by the config's own checks
+        if (problem := json_problem(value, max_depth=JSON_MAX_DEPTH + 3, max_bytes=None)) is not None:
+            raise ValueError(problem)
+        return value
 
 
 class ImageRef(BaseModel):
@@ -115,16 +134,15 @@ class EventPage(BaseModel):
     last_id: int | None
 
 
-class DatasetCheckRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DatasetCheckRequest(_Request):
     source: str = Field(min_length=1, max_length=1000)
     split: str = Field("train", max_length=100)
     model: str | None = Field(None, max_length=1000)
-    max_prompt_length: int | None = Field(None, gt=0, le=1_000_000)
+    max_prompt_length: int | None = Field(None, gt=0, le=TOKENS_MAX)
     rows: int = Field(256, gt=0, le=100_000, description="synth:<task> only")
-    min_images: int = Field(0, ge=0, le=64, description="synth:<task> only")
-    max_images: int = Field(3, ge=0, le=64, description="synth:<task> only")
-    seed: int = Field(0, ge=0, description="synth:<task> only")
+    min_images: int = Field(0, ge=0, le=IMAGES_MAX, description="synth:<task> only")
+    max_images: int = Field(3, ge=0, le=IMAGES_MAX, description="synth:<task> only")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="synth:<task> only")
 
 
 class RowProblem(BaseModel):

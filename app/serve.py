@@ -10,26 +10,36 @@ import threading
 import time
 from pathlib import Path
 
+from collage.training.data.synth import clean_stale_temp_folders
+
 from .db import engine_for, upgrade
 from .settings import get_settings
-from .store.tokens import create_token, verify_token
+from .store.tokens import TokenRole, create_login_link, create_token, list_tokens, revoke_token, usable, verify_token
 
 
 def token_file(home: Path) -> Path:
     return home / "token"
 
 
+SERVE_TOKEN = "collage serve"
+
+
 def ensure_token(engine, home: Path) -> str:
-    """The token this installation's `serve` prints: kept (mode 0600) in COLLAGE_HOME, made if missing."""
+    """This installation's first token, an admin one, kept (mode 0600) in COLLAGE_HOME for `collage submit` on
+    this machine; made if missing (or revoked: a revoked serve token is replaced, under the same name)."""
     path = token_file(home)
     if path.is_file():
         token = path.read_text().strip()
-        if token and verify_token(engine, token) is not None:
+        found = verify_token(engine, token) if token else None
+        if found is not None:
             return token
-    token = create_token(engine, "collage serve")
+    if any(t.name == SERVE_TOKEN and usable(t) for t in list_tokens(engine)):
+        revoke_token(engine, SERVE_TOKEN, actor="collage serve")  # its file was lost: the secret is unknown
+    token = create_token(engine, SERVE_TOKEN, TokenRole.ADMIN, actor="collage serve")
     home.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600)
-    path.write_text(token + "\n")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
     os.chmod(path, 0o600)
     return token
 
@@ -45,7 +55,11 @@ def serve(host: str, port: int, workers: int) -> int:
     settings = get_settings()
     upgrade(settings.database_url)
     engine = engine_for(settings.database_url)
-    token = ensure_token(engine, settings.home)
+    ensure_token(engine, settings.home)
+    removed = clean_stale_temp_folders()
+    if removed:
+        print(f"removed {removed} unfinished synthetic dataset folder(s) left by an earlier crash", flush=True)
+    link = create_login_link(engine, SERVE_TOKEN, actor="collage serve")
     app = create_app(settings, CeleryDispatcher(settings, engine))
     pool = WorkerPool(workers)
     pool.start()
@@ -53,12 +67,16 @@ def serve(host: str, port: int, workers: int) -> int:
     reaper.start()
     base = f"http://{host}:{port}"
     print(f"Collage is serving on {base}", flush=True)
-    print(f"  login link: {base}/login?token={token}", flush=True)
-    print(f"  API token:  {token}   (also in {token_file(settings.home)})", flush=True)
+    print(f"  login link: {base}/login/link/{link}   (one use, 10 minutes; `collage token link NAME` for more)",
+          flush=True)  # fmt: skip
+    print(f"  admin API token in {token_file(settings.home)} (`collage submit` reads it)", flush=True)
     print(f"  API docs:   {base}/api/v1/docs", flush=True)
     print(f"  store: {engine.url.render_as_string(hide_password=True)}; workers: {workers}", flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", forwarded_allow_ips=settings.forwarded_allow_ips
+        )
+        uvicorn.Server(config).run()
     except KeyboardInterrupt:
         pass
     finally:
@@ -79,8 +97,13 @@ class WorkerPool(threading.Thread):
         self.stopping = threading.Event()
 
     def _spawn(self, name: str) -> None:
+        # the worker ends when `collage serve` does, even on kill -9 of serve: the kernel signals it
+        # (PR_SET_PDEATHSIG), and the worker also watches COLLAGE_PARENT_PID where that is not available
+        env = {**os.environ, "COLLAGE_PARENT_PID": str(os.getpid())}
         self.children[name] = subprocess.Popen(
-            [sys.executable, "-m", "collage.app.cli", "worker", "--quiet", "--name", name]
+            [sys.executable, "-m", "collage.app.cli", "worker", "--quiet", "--name", name],
+            env=env,
+            preexec_fn=_term_with_parent,
         )
 
     def start(self) -> None:
@@ -107,6 +130,18 @@ class WorkerPool(threading.Thread):
     def stop(self, grace: float) -> None:
         self.stopping.set()
         _stop(list(self.children.values()), grace)
+
+
+def _term_with_parent() -> None:
+    """In the forked child, before exec: SIGTERM when the parent dies (Linux). SIGTERM, not SIGKILL, so the
+    worker still asks its run to checkpoint and kills its training child before it exits."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def _stop(children: list[subprocess.Popen], grace: float) -> None:

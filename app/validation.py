@@ -1,28 +1,31 @@
-"""Checks of a run config beyond its types: do the named rewards, model and dataset exist?
+"""Checks of a run config beyond its types: may it run here (app.trust), and do the named rewards, model and
+dataset exist?
 
 Torch-free on purpose: the API runs these on its request path. Hub ids cannot be checked offline, so they are
-accepted when well formed; anything that looks like a local path must exist.
+accepted when well formed; a local path must lie under the operator's roots (checked first, so that nothing is
+said about paths outside them) and then exist.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from collage.training.config import RunConfig
 from collage.training.data.synth import TASKS, Task
 from collage.training.models.families import TINY_FAMILIES
 from collage.training.rewards.builtins import BUILTINS
+from collage.training.rewards.registry import IMPORT_PATH
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+from .settings import Settings, get_settings
+from .trust import dataset_violation, is_local, model_violation, reward_violation, split_violation
+
+UNKNOWN_REWARD = (
+    "built-ins are {builtins}; a user function is 'package.module:function' from a module the operator "
+    "allowlists (COLLAGE_REWARD_MODULES); a text reward model is an absolute path to a local checkpoint folder"
+)
 
 
-def _looks_local(value: str) -> bool:
-    return value.startswith(("/", ".", "~")) or Path(value).expanduser().exists()
-
-
-def check_model(path: str) -> str | None:
+def check_model(path: str, settings: Settings) -> str | None:
     if path.startswith("tiny:"):
         family = path.removeprefix("tiny:")
         return (
@@ -30,15 +33,14 @@ def check_model(path: str) -> str | None:
             if family in TINY_FAMILIES
             else f"unknown tiny family {family!r}: choose one of {', '.join(TINY_FAMILIES)}"
         )
-    if _looks_local(path):
-        folder = Path(path).expanduser()
-        if not (folder / "config.json").is_file():
-            return f"{path} is not a model folder (no config.json)"
-        return None
-    return None if HUB_ID.match(path) else f"{path!r} is neither tiny:<family>, a local model folder nor a hub id"
+    if (message := model_violation(path, settings)) is not None:
+        return message
+    if is_local(path) and not (Path(path).expanduser() / "config.json").is_file():
+        return f"{path} is not a model folder (no config.json)"
+    return None
 
 
-def check_dataset(source: str, min_images: int, max_images: int) -> str | None:
+def check_dataset(source: str, min_images: int, max_images: int, settings: Settings) -> str | None:
     if source.startswith("synth:"):
         task = source.removeprefix("synth:")
         if task not in TASKS:
@@ -47,54 +49,68 @@ def check_dataset(source: str, min_images: int, max_images: int) -> str | None:
         if max_images < spec.min_needed and not (min_images == 0 and max_images == 0):
             return f"synthetic task {task} needs max_images >= {spec.min_needed}"
         return None
-    if _looks_local(source):
-        return None if Path(source).expanduser().exists() else f"{source} does not exist"
-    return None if HUB_ID.match(source) else f"{source!r} is neither synth:<task>, a local path nor a hub id"
+    if (message := dataset_violation(source, settings)) is not None:
+        return message
+    if is_local(source) and not Path(source).expanduser().exists():
+        return f"{source} does not exist"
+    return None
 
 
-def check_reward(name: str) -> str | None:
+def check_reward(name: str, settings: Settings) -> str | None:
     if name in BUILTINS:
         return None
-    if _looks_local(name):
+    if (message := reward_violation(name, settings)) is not None:
+        return message
+    if is_local(name):
         return None if (Path(name).expanduser() / "config.json").is_file() else f"{name} is not a reward model folder"
     if IMPORT_PATH.match(name):
-        return None  # imported on the worker, which may have packages this host lacks
-    return (
-        f"unknown reward {name!r}: built-ins are {', '.join(sorted(BUILTINS))}; a user function is "
-        "'package.module:function'; a text reward model is a local checkpoint folder"
-    )
+        return None  # allowlisted; imported on the worker, which may have packages this host lacks
+    return f"unknown reward {name!r}: " + UNKNOWN_REWARD.format(builtins=", ".join(sorted(BUILTINS)))
 
 
-def semantic_errors(config: RunConfig) -> list[tuple[str, str]]:
+def semantic_errors(config: RunConfig, settings: Settings | None = None) -> list[tuple[str, str]]:
+    """Every ``(key path, message)`` that keeps ``config`` from running; ``settings`` default to the environment's
+    (the API passes its app's)."""
+    settings = settings or get_settings()
     errors = []
-    if (message := check_model(config.model.path)) is not None:
+    if (message := check_model(config.model.path, settings)) is not None:
         errors.append(("model.path", message))
     d = config.dataset
-    if (message := check_dataset(d.source, d.min_images, d.max_images)) is not None:
+    if (message := check_dataset(d.source, d.min_images, d.max_images, settings)) is not None:
         errors.append(("dataset.source", message))
+    if (message := split_violation(d.split)) is not None:
+        errors.append(("dataset.split", message))
     for k, reward in enumerate(config.rewards):
-        if (message := check_reward(reward.name)) is not None:
+        if (message := check_reward(reward.name, settings)) is not None:
             errors.append((f"rewards[{k}].name", message))
     return errors
 
 
-def raw_semantic_errors(data: object) -> list[tuple[str, str]]:
+def raw_semantic_errors(data: object, settings: Settings | None = None) -> list[tuple[str, str]]:
     """The same checks on a config that failed type validation, for the fields whose values are usable, so
     that one answer lists every problem."""
     if not isinstance(data, dict):
         return []
+    settings = settings or get_settings()
     errors = []
-    model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    if isinstance(model.get("path"), str) and (message := check_model(model["path"])) is not None:
+    model, dataset, rewards = data.get("model"), data.get("dataset"), data.get("rewards")
+    model = model if isinstance(model, dict) else {}
+    if isinstance(model.get("path"), str) and (message := check_model(model["path"], settings)) is not None:
         errors.append(("model.path", message))
-    dataset = data.get("dataset") if isinstance(data.get("dataset"), dict) else {}
+    dataset = dataset if isinstance(dataset, dict) else {}
     if isinstance(dataset.get("source"), str):
         lo, hi = dataset.get("min_images", 0), dataset.get("max_images", 3)
-        if isinstance(lo, int) and isinstance(hi, int) and (message := check_dataset(dataset["source"], lo, hi)):
+        if (
+            isinstance(lo, int)
+            and isinstance(hi, int)
+            and (message := check_dataset(dataset["source"], lo, hi, settings))
+        ):
             errors.append(("dataset.source", message))
-    rewards = data.get("rewards") if isinstance(data.get("rewards"), list) else []
+    if isinstance(dataset.get("split"), str) and (message := split_violation(dataset["split"])) is not None:
+        errors.append(("dataset.split", message))
+    rewards = rewards if isinstance(rewards, list) else []
     for k, reward in enumerate(rewards):
         name = reward.get("name") if isinstance(reward, dict) else None
-        if isinstance(name, str) and (message := check_reward(name)) is not None:
+        if isinstance(name, str) and (message := check_reward(name, settings)) is not None:
             errors.append((f"rewards[{k}].name", message))
     return errors

@@ -19,6 +19,7 @@ for _ in $(seq 1 120); do
 done
 .venv/bin/collage submit examples/grpo-count-red.yaml --server "http://127.0.0.1:$PORT" --follow || true
 echo
-echo "The server is still running: http://127.0.0.1:$PORT (API docs at /api/v1/docs, token in $COLLAGE_HOME/token)."
+echo "The server is still running: http://127.0.0.1:$PORT (API docs at /api/v1/docs, admin token in $COLLAGE_HOME/token)."
+echo "A fresh one-time login link: COLLAGE_HOME=$COLLAGE_HOME .venv/bin/collage token link 'collage serve' --server http://127.0.0.1:$PORT"
 echo "Runs, metrics and rollouts are in $COLLAGE_HOME. Ctrl-C to stop."
 wait $SERVER

@@ -18,7 +18,9 @@ cleanup() {
 trap cleanup EXIT
 say() { echo "wheel-smoke: $*"; }
 
-# an isolated PEP 517 build, as pip or `python -m build` does it for a user
+# an isolated PEP 517 build, as pip or `python -m build` does it for a user (setuptools' build/lib is reused
+# between builds: clear it, or a module deleted from the checkout would still ship)
+rm -rf build/lib build/bdist.*
 .venv/bin/python -m build --wheel --outdir "$work/dist" . >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 wheel=$(ls "$work"/dist/collage_rl-*.whl)
 say "built $(basename "$wheel")"

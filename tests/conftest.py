@@ -135,6 +135,9 @@ def _truncate(url: str) -> None:
         "checkpoints",
         "run_tags",
         "runs",
+        "web_sessions",
+        "login_links",
+        "audit_log",
         "api_tokens",
         "workers",
     ]
@@ -172,7 +175,8 @@ class RecordingDispatcher:
         self.cancelled.append(run_id)
 
     def health(self):
-        return {"broker": {"ok": True, "url": "test-double"}, "workers": []}
+        # one live worker on the default queue, as a minimal deployment has
+        return {"broker": {"ok": True, "url": "test-double"}, "workers": [{"name": "w", "queues": ["default"]}]}
 
 
 @pytest.fixture
@@ -194,6 +198,6 @@ def api(database_url, tmp_path):
     )
     dispatcher = RecordingDispatcher()
     app = create_app(settings, dispatcher)
-    token = create_token(engine_for(database_url), "tests")
+    token = create_token(engine_for(database_url), "tests", role="admin")
     client = TestClient(app, headers={"Authorization": f"Bearer {token}"})
     return client, token, dispatcher, app

@@ -6,6 +6,10 @@ import asyncio
 import threading
 import time
 
+# re-exported on purpose: allowlisting this module must not make these foreign callables rewards (tests/test_trust.py)
+from os import system  # noqa: F401 - a builtin
+from subprocess import run as run_command  # noqa: F401 - a plain function, defined in another module
+
 from collage.training.rewards.builtins import completion_text
 
 DIGITS = set("0123456789")
@@ -67,3 +71,14 @@ def sleepy(completions, delay=0.01, **kwargs):
 
 def always_fails(completions, **kwargs):
     raise ValueError("this reward always fails")
+
+
+class NotAReward:
+    """A class of an allowlisted module: calling it builds an object, so it is never a reward."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+def _private_helper(completions, **kwargs):
+    return [0.0] * len(completions)

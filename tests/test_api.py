@@ -61,8 +61,9 @@ def test_every_route_but_health_needs_a_token(api):
         ("POST", "/runs/x/clone"), ("DELETE", "/runs/x"), ("GET", "/runs/x/metrics"), ("GET", "/runs/x/samples"),
         ("GET", "/runs/x/events"), ("GET", "/runs/x/stream"), ("GET", "/runs/x/export"), ("GET", "/images/" + "a" * 64),
         ("POST", "/datasets/check"), ("GET", "/datasets/preview"), ("GET", "/rewards"), ("GET", "/models"),
+        ("GET", "/tokens"), ("POST", "/tokens"), ("DELETE", "/tokens/x"), ("POST", "/tokens/x/link"), ("GET", "/audit"),
     ]  # fmt: skip
-    documented = {(m, p.replace("{run_id}", "x").replace("{sha256}", "a" * 64)) for p, item in
+    documented = {(m, p.replace("{run_id}", "x").replace("{sha256}", "a" * 64).replace("{name}", "x")) for p, item in
                   app.openapi()["paths"].items() for m in item if p != f"{API}/health" for m in [m.upper()]}  # fmt: skip
     assert {(m, API + p) for m, p in routes} == documented, "every contract route exists, and only those"
     for method, path in routes:
@@ -97,7 +98,14 @@ def test_create_run_stores_it_queued_and_dispatches(api):
     assert run["config"]["train"]["loss_type"] == "dapo"  # resolved with defaults
     assert run["tags"] == ["demo"] and run["attempt"] == 1
     events = client.get(body["url"] + "/events").json()["items"]
-    assert [e["message"] for e in events] == ["queued"]
+    # the one live worker serves only "default": the run page says at once that nobody takes queue gpu-a
+    assert [e["message"] for e in events][0] == "queued"
+    assert [(e["level"], e["message"].split(":")[0]) for e in events[1:]] == [
+        ("warning", "no live worker takes runs from queue 'gpu-a'")
+    ]
+    assert client.get(body["url"]).json()["warning_count"] == 1
+    default = client.post(API + "/runs", json=config()).json()
+    assert client.get(default["url"]).json()["warning_count"] == 0
 
 
 def test_a_bad_config_lists_every_bad_field_and_writes_nothing(api):
@@ -187,7 +195,7 @@ def test_list_filters_and_cursor_pagination(api):
         if i == 3:
             c["train"] = {"max_steps": 5}
         ids.append(client.post(API + "/runs", json=c).json()["id"])
-    app.state.writer.set_status(ids[1], "running")
+    app.state.writer.transition(ids[1], ["queued"], "running")
     seen, cursor = [], None
     while True:
         page = client.get(API + "/runs", params={"limit": 3, **({"cursor": cursor} if cursor else {})}).json()
@@ -231,12 +239,12 @@ def test_cancel_resume_clone_delete(api):
     running = client.post(API + "/runs", json=config()).json()["id"]
     from collage.worker.supervisor import claim
 
-    assert claim(app.state.engine, running, "w1") is not None  # as a worker takes it
+    assert claim(writer, running, "w1") is not None  # as a worker takes it
     assert client.post(f"{API}/runs/{running}/cancel").json()["status"] == "cancelling"
     assert dispatcher.cancelled == [running]
     assert client.delete(f"{API}/runs/{running}").status_code == 409
 
-    writer.set_status(running, "failed", error="worker lost")
+    assert writer.transition(running, ["cancelling"], "failed", error="worker lost")
     resumed = client.post(f"{API}/runs/{running}/resume").json()
     assert resumed["status"] == "queued" and resumed["attempt"] == 2 and resumed["error"] is None
     assert dispatcher.submitted[-1] == (running, "default")
@@ -487,12 +495,12 @@ def test_events_warning_count_and_stream(api):
     client, _, _, app = api
     run = client.post(API + "/runs", json=config()).json()["id"]
     w = app.state.writer
-    w.set_status(run, "running")
+    w.transition(run, ["queued"], "running")
     w.add_event(run, "warning", "images dropped for text reward model")
     w.set_progress(run, 2)
     w.append_metrics(run, 1, {"reward": 0.2})
     w.append_metrics(run, 2, {"reward": 0.4})
-    w.set_status(run, "succeeded")
+    w.transition(run, ["running"], "succeeded")
     assert client.get(f"{API}/runs/{run}").json()["warning_count"] == 1
     warnings = client.get(f"{API}/runs/{run}/events", params={"level": "warning"}).json()["items"]
     assert [e["message"] for e in warnings] == ["images dropped for text reward model"]
@@ -559,7 +567,11 @@ def test_health_reports_the_real_broker(database_url, tmp_path, broker_up):
     broker = "memory://" if broker_up else f"redis://127.0.0.1:{closed}/0"
     settings = Settings(home=tmp_path, database_url=database_url, broker_url=broker, artifacts=tmp_path / "a")
     app = create_app(settings, CeleryDispatcher(settings, engine_for(database_url)))
-    response = TestClient(app).get(API + "/health")
+    from collage.app.store.tokens import create_token
+
+    token = create_token(engine_for(database_url), "ops")
+    assert TestClient(app).get(API + "/health").json() == {"ok": broker_up}  # without a token: ok or not
+    response = TestClient(app, headers={"Authorization": f"Bearer {token}"}).get(API + "/health")
     body = response.json()
     assert body["store"]["ok"] is True
     assert body["broker"]["ok"] is broker_up and body["ok"] is broker_up
@@ -595,7 +607,7 @@ def test_db_upgrade_and_token_create_cli(tmp_path):
     early = run("token", "create", "me")
     assert early.returncode == 2 and "collage db upgrade" in early.stderr
     up = run("db", "upgrade")
-    assert up.returncode == 0 and "is at migration 0004" in up.stdout
+    assert up.returncode == 0 and "is at migration 0005" in up.stdout
     assert run("db", "upgrade").returncode == 0  # idempotent
     made = run("token", "create", "me")
     assert made.returncode == 0 and made.stdout.strip().startswith("clg_") and "shown only this once" in made.stderr

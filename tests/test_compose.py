@@ -56,7 +56,11 @@ def test_the_compose_environment_is_what_settings_read(service, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", str(value)))  # compose's defaults
     settings = Settings.from_env()
-    assert settings.home == Path("/data") and settings.artifacts == Path("/data/artifacts")
+    assert settings.home == Path("/home-web" if service == "web" else "/home-worker")
+    assert settings.artifacts == Path("/artifacts")
+    assert settings.allowed_data_roots() == (Path("/datasets"),) and settings.allowed_model_roots() == (
+        Path("/models"),
+    )
     assert settings.database_url == "postgresql://collage:collage@postgres:5432/collage"
     assert settings.broker_url == "redis://redis:6379/0"
     assert settings.heartbeat_timeout == float(env["COLLAGE_HEARTBEAT_TIMEOUT"])
@@ -114,3 +118,21 @@ def test_the_image_copies_every_package_folder_and_runs_as_a_user():
         assert (ROOT / source).exists(), source
     users = [a for i, a in steps if i == "USER"]
     assert users and users[-1] not in ("root", "0")
+
+
+def test_the_web_port_is_local_and_workers_never_see_the_web_nodes_secrets():
+    services = compose()["services"]
+    (port,) = services["web"]["ports"]
+    published = re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", port)
+    assert published == "127.0.0.1:8000:8000", "published on loopback unless COLLAGE_BIND says otherwise"
+    web_home = services["web"]["environment"]["COLLAGE_HOME"]
+    web_volume = next(v.split(":")[0] for v in services["web"]["volumes"] if v.split(":")[1] == web_home)
+    worker = services["worker-gpu0"]
+    assert worker["environment"]["COLLAGE_HOME"] != web_home
+    assert not any(v.split(":")[0] == web_volume for v in worker["volumes"]), "no token or secret in workers"
+    assert worker["user"].split(":")[0] not in ("0", "root")
+    # code and paths: the web node and the workers must enforce the same allowlist and roots
+    for key in ("COLLAGE_REWARD_MODULES", "COLLAGE_DATA_ROOTS", "COLLAGE_MODEL_ROOTS"):
+        assert services["web"]["environment"][key] == worker["environment"][key], key
+    for mount in ("/datasets", "/models"):
+        assert any(v.endswith(f":{mount}:ro") for v in worker["volumes"]), mount

@@ -6,6 +6,7 @@ Screenshots of every page go to test-artifacts/screenshots/ (not compared pixel 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,12 +130,24 @@ def test_login_page_and_login_link(browser, server):
     page.fill('input[name="token"]', "clg_wrong")
     page.click('button[type="submit"]')
     assert "not valid" in page.inner_text(".error")
-    page.goto(f"{server['base']}/login?token={server['token']}")  # the link `collage serve` prints
+    # an API token in the URL no longer logs in
+    page.goto(f"{server['base']}/login?token={server['token']}")
+    page.goto(server["base"] + "/runs")
+    page.wait_for_url(lambda url: "/login" in url and "next=" in url)
+    # the one-time link `collage serve` printed: a page with one button, spent by the click
+    link = re.search(r"login link: (\S+)", (server["home"] / "serve.log").read_text()).group(1)
+    page.goto(link)
+    page.screenshot(path=str(SHOTS / "login-link.png"))
+    page.click("text=Log in to Collage")
     page.wait_for_url("**/runs")
+    assert "collage serve · admin" in page.inner_text("header")
     page.click("text=Log out")
     page.wait_for_url("**/login")
     page.goto(server["base"] + "/runs")
     page.wait_for_url(lambda url: "/login" in url and "next=" in url)
+    page.goto(link)  # used once already
+    page.click("text=Log in to Collage")
+    assert "already used" in page.inner_text(".error")
     context.close()
 
 
@@ -237,7 +250,7 @@ def test_model_output_is_escaped_everywhere(page, server):
     writer = StoreWriter(engine, server["home"] / "artifacts")
     config = parse_config({**small_config("<b>evil</b> run"), "tags": ["<i>t</i>"]}).model_dump(mode="json")
     run = writer.create_run(config)
-    writer.set_status(run.id, "succeeded")
+    writer.transition(run.id, ["queued", "running"], "succeeded")
     import io
 
     from PIL import Image

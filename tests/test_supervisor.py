@@ -11,25 +11,25 @@ from collage.worker.supervisor import Slot, SlotTooSmall, child_command
 
 
 def _run(gpus: int) -> Run:
-    return Run(id="r1", name="n", algorithm="grpo", config={"resources": {"gpus": gpus, "queue": "default"}})
+    return Run(id="r1", name="n", algorithm="grpo", attempt=3, config={"resources": {"gpus": gpus, "queue": "default"}})
 
 
 def test_cpu_runs_see_no_gpu():
     cmd, env, warning = child_command(_run(0), Slot(gpus=[0, 1]))
-    assert cmd == [sys.executable, "-m", "collage.worker.child", "r1"]
+    assert cmd == [sys.executable, "-m", "collage.worker.child", "r1", "3"]  # the run and the attempt it runs
     assert env["CUDA_VISIBLE_DEVICES"] == "" and warning is None
 
 
 def test_one_gpu_runs_on_the_first_gpu_of_the_slot():
     cmd, env, _ = child_command(_run(1), Slot(gpus=[3, 4]))
-    assert cmd[-2:] == ["collage.worker.child", "r1"] and env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert cmd[-3:] == ["collage.worker.child", "r1", "3"] and env["CUDA_VISIBLE_DEVICES"] == "3"
 
 
 def test_several_gpus_run_under_accelerate_launch():
     cmd, env, _ = child_command(_run(2), Slot(gpus=[2, 5]))
     assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
-    assert cmd[-3:] == ["-m", "collage.worker.child", "r1"] and env["CUDA_VISIBLE_DEVICES"] == "2,5"
+    assert cmd[-4:] == ["-m", "collage.worker.child", "r1", "3"] and env["CUDA_VISIBLE_DEVICES"] == "2,5"
 
 
 def test_a_slot_too_small_is_a_clear_error():

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -108,7 +109,7 @@ class Cluster:
                                  reward_modules=("tests.rewards_for_tests",))  # fmt: skip
         self.engine = engine_for(database_url)
         self.app = create_app(self.settings, CeleryDispatcher(self.settings, self.engine))
-        token = create_token(self.engine, "workers-test")
+        token = create_token(self.engine, "workers-test", role="admin")
         self.client = TestClient(self.app, headers={"Authorization": f"Bearer {token}"})
         self.workers: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
@@ -348,10 +349,12 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
         import httpx
 
         deadline = time.monotonic() + 90
+        token_file = tmp_path / "home" / "token"
         while time.monotonic() < deadline:
             try:
-                body = httpx.get(f"http://127.0.0.1:{port}{API}/health", timeout=2).json()
-                if body["ok"] and body["workers"]:
+                headers = {"Authorization": f"Bearer {token_file.read_text().strip()}"} if token_file.exists() else {}
+                body = httpx.get(f"http://127.0.0.1:{port}{API}/health", timeout=2, headers=headers).json()
+                if body["ok"] and body.get("workers"):
                     break
             except (httpx.HTTPError, ValueError):
                 pass
@@ -359,7 +362,10 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
         else:
             raise AssertionError(f"collage serve did not come up:\n{log.read_text()[-3000:]}")
         printed = log.read_text()
-        assert f"http://127.0.0.1:{port}" in printed and "login link:" in printed and "API token:" in printed
+        assert f"http://127.0.0.1:{port}" in printed and "/login/link/" in printed and "admin API token in" in printed
+        assert token_file.read_text().strip() not in printed, "the API token itself is never printed"
+        for name in ("collage.db", "broker.db", "token", "secret"):  # owner-only: tokens, sessions, every run
+            assert stat.S_IMODE((tmp_path / "home" / name).stat().st_mode) == 0o600, name
         assert body["store"]["dialect"] == "sqlite" and body["broker"]["url"].startswith("sqla+sqlite:///")
         cfg = tmp_path / "run.yaml"
         import yaml
@@ -408,3 +414,142 @@ def test_runs_go_to_the_queue_their_config_names(cluster):
     assert run["status"] == "succeeded" and run["worker"] == "w-special"
     health = {w["name"]: w for w in cluster.health()["workers"]}
     assert health["w-special"]["queues"] == ["special"] and health["w-default"]["queues"] == ["default"]
+
+
+def _children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
+def test_split_brain_a_frozen_host_comes_back_and_one_attempt_owns_the_run(cluster):
+    """SIGSTOP a worker and its training child (a frozen host) until the reaper, on another worker, marks the
+    run failed; resume it (attempt 2 trains on that other worker); SIGCONT the frozen pair. The old child's
+    writes are refused, it stops within a heartbeat and its supervisor kills it: the store holds one trajectory,
+    and attempt 2's checkpoints are in its own folder."""
+    frozen = cluster.start_worker("w-frozen")
+    run_id = cluster.submit(max_steps=10, delay=0.4)
+    cluster.wait_step(run_id, 2)
+    child = int(subprocess.run(["pgrep", "-f", f"collage.worker.child {run_id} 1"], capture_output=True,
+                               text=True).stdout.split()[0])  # fmt: skip
+    os.kill(frozen.pid, signal.SIGSTOP)
+    os.kill(child, signal.SIGSTOP)
+    try:
+        cluster.start_worker("w-live")  # its reaper notices the silence
+        run = cluster.wait_status(run_id, ("failed",), timeout=HEARTBEAT_TIMEOUT + 30)
+        assert "no heartbeat" in run["error"]
+        assert cluster.client.post(f"{API}/runs/{run_id}/resume").json()["attempt"] == 2
+        cluster.wait(lambda: cluster.run(run_id)["worker"] == "w-live" and cluster.run(run_id)["status"] == "running",
+                     120, "attempt 2 to start on w-live")  # fmt: skip
+    finally:
+        os.kill(child, signal.SIGCONT)
+        os.kill(frozen.pid, signal.SIGCONT)
+    # the old child learns it is stale at its next heartbeat and exits at once
+    cluster.wait(lambda: not _alive(child), 30, "the stale training child to exit")
+    run = cluster.wait_status(run_id, ("succeeded", "failed"), timeout=300)
+    assert run["status"] == "succeeded" and run["attempt"] == 2, (run["error"], cluster.events(run_id))
+    assert _metric_steps(cluster, run_id) == list(range(1, 11))  # each step once
+    with Session(cluster.engine) as session:
+        per_step = session.execute(
+            select(Sample.step, func.count()).where(Sample.run_id == run_id).group_by(Sample.step)
+        ).all()
+        checkpoints = session.execute(
+            select(Checkpoint.step, Checkpoint.path).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
+        ).all()
+    assert sorted(per_step) == [(s, 8) for s in range(1, 11)]
+    resumed_from = int(next(m for m in cluster.events(run_id) if "resumed from checkpoint" in m).split()[-1])
+    for step, path in checkpoints:
+        assert f"/attempt-{1 if step <= resumed_from else 2}/" in path, (step, path)
+    assert checkpoints[-1][0] == 10 and "/attempt-2/" in checkpoints[-1][1]
+    # nothing the old attempt tried after it was superseded reached the store
+    assert not [m for m in cluster.events(run_id) if "attempt 1" in m and "resume" not in m]
+
+
+def test_collage_serve_killed_with_sigkill_leaves_no_worker_process(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLLAGE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1",
+           "COLLAGE_REWARD_MODULES": "tests.rewards_for_tests"}  # fmt: skip
+    for key in ("COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS"):
+        env.pop(key, None)
+    log = tmp_path / "serve.log"
+    serve = subprocess.Popen([sys.executable, "-m", "collage.app.cli", "serve", "--port", str(port), "--workers", "2"],
+                             env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        token = None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and token is None:
+            token_file = tmp_path / "home" / "token"
+            token = token_file.read_text().strip() if token_file.exists() else None
+            time.sleep(0.3)
+        import httpx
+
+        headers = {"Authorization": f"Bearer {token}"}
+        while time.monotonic() < deadline:
+            try:
+                if (
+                    len(httpx.get(f"http://127.0.0.1:{port}{API}/health", headers=headers, timeout=2).json()["workers"])
+                    == 2
+                ):
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError(log.read_text()[-3000:])
+        workers = _children_of(serve.pid)
+        assert len(workers) == 2
+        cfg = run_config(max_steps=30, delay=0.3)
+        run_id = httpx.post(f"http://127.0.0.1:{port}{API}/runs", json=cfg, headers=headers).json()["id"]
+        while httpx.get(f"http://127.0.0.1:{port}{API}/runs/{run_id}", headers=headers).json()["progress"]["step"] < 1:
+            time.sleep(0.5)
+        training = [p for w in workers for p in _children_of(w)]
+        assert training, "a training child runs under one of the workers"
+    finally:
+        serve.send_signal(signal.SIGKILL)
+        serve.wait()
+    everyone = workers + training
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and any(_alive(p) for p in everyone):
+        time.sleep(0.5)
+    assert not [p for p in everyone if _alive(p)], "no orphan keeps training after serve is killed"
+
+
+def test_a_run_survives_twenty_dropped_database_connections_in_fifteen_seconds(cluster):
+    """PostgreSQL terminates every Collage connection 20 times in 15 s while a run trains: the writer retries
+    (its writes are idempotent), the run succeeds with every step stored once."""
+    import threading
+
+    import psycopg
+
+    cluster.start_worker("w1")
+    run_id = cluster.submit(max_steps=14, delay=0.3)
+    cluster.wait_step(run_id, 1)
+    url = cluster.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    kills: list[int] = []
+
+    def terminate():
+        with psycopg.connect(url, autocommit=True) as conn:
+            for _ in range(20):
+                killed = conn.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                ).fetchone()[0]
+                kills.append(killed)
+                time.sleep(0.75)
+
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    killer.join(timeout=60)
+    assert len(kills) == 20 and sum(kills) >= 20, kills
+    run = cluster.wait_status(run_id, ("succeeded", "failed"), timeout=300)
+    assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
+    assert _metric_steps(cluster, run_id) == list(range(1, 15))
+    assert cluster.count(Sample, Sample.run_id == run_id) == 14 * 8

@@ -7,6 +7,8 @@ user's values carry over. Unknown keys and wrong types are errors that name the 
 from __future__ import annotations
 
 import copy
+import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -26,13 +28,66 @@ class ConfigError(CollageError, ValueError):
         super().__init__("\n".join(f"{path}: {message}" for path, message in errors))
 
 
+# Free-form JSON fields (``rewards[].args``, the API's clone ``overrides``) are bounded: deeper values crash
+# serialisers (pydantic's stops at a few hundred levels) and a worker should never receive megabytes of arguments.
+JSON_MAX_DEPTH = 32
+JSON_MAX_BYTES = 65_536
+NUL_MESSAGE = "must not contain a NUL byte (\\x00)"  # PostgreSQL refuses NUL in text; nobody means one
+
+SEED_MAX = 2**32 - 1  # numpy's seed range (TRL seeds numpy, random and torch with it)
+STEPS_MAX = 10_000_000  # steps, warm-up and save intervals: years of training at one step a second
+BATCH_MAX = 1024  # per-device batch, accumulation, steps per generation, completions per prompt, iterations
+TOKENS_MAX = 1_000_000  # prompt tokens (the same bound as the API's dataset check)
+COMPLETION_TOKENS_MAX = 131_072
+ROWS_MAX = 10_000_000
+IMAGES_MAX = 64  # images per row (the same bound as the API's dataset check)
+
+
+def json_problem(value: Any, max_depth: int = JSON_MAX_DEPTH, max_bytes: int | None = JSON_MAX_BYTES) -> str | None:
+    """Why a free-form JSON value is refused (too deep, too large, a NUL byte, a non-finite number), or None.
+
+    Walks the value without recursion, so any depth is safe to inspect."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        node, depth, where = stack.pop()
+        at = f" (at {where[:200]})" if where else ""
+        if isinstance(node, dict | list):
+            if depth + 1 > max_depth:
+                return f"nested deeper than {max_depth} levels{at}"
+            if isinstance(node, dict):
+                for key, child in node.items():
+                    if isinstance(key, str) and "\x00" in key:
+                        return f"keys {NUL_MESSAGE}{at}"
+                    stack.append((child, depth + 1, f"{where}.{key}" if where else str(key)))
+            else:
+                stack.extend((child, depth + 1, f"{where}[{i}]") for i, child in enumerate(node))
+        elif isinstance(node, str) and "\x00" in node:
+            return f"strings {NUL_MESSAGE}{at}"
+        elif isinstance(node, float) and not math.isfinite(node):
+            return f"numbers must be finite{at}"
+    if max_bytes is not None and len(json.dumps(value, default=str)) > max_bytes:
+        return f"larger than {max_bytes} bytes as JSON"
+    return None
+
+
+def no_nul(value: Any) -> Any:
+    """A field validator: a string, or a list of strings, without NUL bytes."""
+    items = value if isinstance(value, list) else [value]
+    for i, item in enumerate(items):
+        if isinstance(item, str) and "\x00" in item:
+            raise ValueError(NUL_MESSAGE + (f" (item {i})" if item is not value else ""))
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    _no_nul = field_validator("*")(no_nul)
+
 
 class LoraSettings(_Strict):
-    r: int = Field(8, gt=0)
-    alpha: int = Field(16, gt=0)
+    r: int = Field(8, gt=0, le=4096)
+    alpha: int = Field(16, gt=0, le=65_536)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
 
@@ -47,10 +102,10 @@ class ModelSettings(_Strict):
 class DatasetSettings(_Strict):
     source: str = Field("synth:count-red", min_length=1, max_length=500)
     split: str = Field("train", min_length=1, max_length=100)
-    rows: int = Field(256, gt=0)
-    min_images: int = Field(0, ge=0)
-    max_images: int = Field(3, ge=0)
-    seed: int = 0  # synth only: the dataset's own seed, independent of train.seed
+    rows: int = Field(256, gt=0, le=ROWS_MAX)
+    min_images: int = Field(0, ge=0, le=IMAGES_MAX)
+    max_images: int = Field(3, ge=0, le=IMAGES_MAX)
+    seed: int = Field(0, ge=0, le=SEED_MAX)  # synth only: the dataset's own seed, independent of train.seed
 
     @model_validator(mode="after")
     def _images_range(self) -> DatasetSettings:
@@ -61,39 +116,46 @@ class DatasetSettings(_Strict):
 
 class RewardSettings(_Strict):
     name: str = Field(min_length=1, max_length=500)
-    weight: float = 1.0
+    weight: float = Field(1.0, ge=-1e6, le=1e6)
     args: dict[str, Any] = Field(default_factory=dict)  # extra keyword arguments for the function
     # only for text reward models (a sequence-classification checkpoint): what to do with rows that have images
     on_images_for_text_reward: Literal["error", "drop"] = "error"
 
+    @field_validator("args")
+    @classmethod
+    def _bounded_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if (problem := json_problem(value)) is not None:
+            raise ValueError(problem)
+        return value
+
 
 class TrainSettings(_Strict):
-    max_steps: int = Field(50, gt=0, le=2**31 - 1)
-    learning_rate: float = Field(1.0e-5, gt=0)
-    per_device_train_batch_size: int = Field(4, gt=0)
-    gradient_accumulation_steps: int = Field(1, gt=0)
-    num_generations: int = Field(4, ge=2)
-    max_prompt_length: int | None = Field(512, gt=0)
-    max_completion_length: int = Field(32, gt=0)
-    temperature: float = Field(1.0, gt=0)
-    beta: float = Field(0.0, ge=0)
+    max_steps: int = Field(50, gt=0, le=STEPS_MAX)
+    learning_rate: float = Field(1.0e-5, gt=0, le=1.0)
+    per_device_train_batch_size: int = Field(4, gt=0, le=BATCH_MAX)
+    gradient_accumulation_steps: int = Field(1, gt=0, le=BATCH_MAX)
+    num_generations: int = Field(4, ge=2, le=BATCH_MAX)
+    max_prompt_length: int | None = Field(512, gt=0, le=TOKENS_MAX)
+    max_completion_length: int = Field(32, gt=0, le=COMPLETION_TOKENS_MAX)
+    temperature: float = Field(1.0, gt=0, le=100.0)
+    beta: float = Field(0.0, ge=0, le=1000.0)
     use_bias_correction_kl: bool = True  # GRPO, beta > 0: weight the KL term by the ratio (TRL's default)
-    epsilon: float = Field(0.2, gt=0)
-    epsilon_high: float | None = Field(None, gt=0)
+    epsilon: float = Field(0.2, gt=0, le=100.0)
+    epsilon_high: float | None = Field(None, gt=0, le=100.0)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     normalize_advantages: bool = False
-    num_iterations: int = Field(1, gt=0)
-    steps_per_generation: int | None = Field(None, gt=0)
+    num_iterations: int = Field(1, gt=0, le=BATCH_MAX)
+    steps_per_generation: int | None = Field(None, gt=0, le=BATCH_MAX)
     mask_truncated_completions: bool = False
     gradient_checkpointing: bool = False
-    seed: int = 0
-    save_steps: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=SEED_MAX)
+    save_steps: int = Field(0, ge=0, le=STEPS_MAX)
     # not in TRL's GRPOConfig under these names, but users expect them
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, le=100.0)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
     lr_scheduler_type: Literal["linear", "constant", "cosine"] = "linear"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=STEPS_MAX)
 
     @field_validator("scale_rewards", mode="before")
     @classmethod
@@ -124,11 +186,11 @@ class TrainSettings(_Strict):
 
 
 class LoggingSettings(_Strict):
-    samples_every: int = Field(1, ge=0)  # 0 = never write rollout rows
+    samples_every: int = Field(1, ge=0, le=STEPS_MAX)  # 0 = never write rollout rows
 
 
 class ResourceSettings(_Strict):
-    gpus: int = Field(1, ge=0)
+    gpus: int = Field(1, ge=0, le=1024)
     queue: str = Field("default", min_length=1, max_length=100, pattern=r"^[\w.-]+$")
 
 

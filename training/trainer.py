@@ -15,6 +15,7 @@ import io
 import math
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -79,8 +80,13 @@ class Trainer:
         output_dir: str | Path | None = None,
         callbacks: list[Callback] | None = None,
         resume: bool = False,
+        reward_modules: Sequence[str] | None = None,
     ):
+        """``reward_modules``: the operator's allowlist for import-path rewards, for a config an API client sent
+        (see :func:`~training.rewards.registry.resolve_reward`); ``None`` trusts the config (local ``collage train``).
+        """
         self.config = config
+        self.reward_modules = tuple(reward_modules) if reward_modules is not None else None
         self.out = Path(output_dir) if output_dir is not None else None
         self.callbacks = CallbackList(callbacks or [])
         self.resume = resume
@@ -196,7 +202,13 @@ class Trainer:
         has_images = any(self.images_per_row)
         for k, spec in enumerate(self.config.rewards):
             try:
-                reward = resolve_reward(spec.name, spec.weight, spec.args, on_images=spec.on_images_for_text_reward)
+                reward = resolve_reward(
+                    spec.name,
+                    spec.weight,
+                    spec.args,
+                    reward_modules=self.reward_modules,
+                    on_images=spec.on_images_for_text_reward,
+                )
             except ValueError as exc:
                 raise TrainingError(f"rewards[{k}].name: {exc}") from None
             if spec.name == "length":

@@ -7,6 +7,8 @@ database (``worker.tasks``) so a redelivered message never starts the same run t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from celery import Celery
 
 from collage.app.settings import Settings, get_settings
@@ -23,7 +25,9 @@ def make_celery(settings: Settings | None = None) -> Celery:
 
         require("redis", "a Redis broker (COLLAGE_BROKER_URL)")
     if settings.broker_url.startswith("sqla+sqlite:///"):
-        settings.home.mkdir(parents=True, exist_ok=True)
+        from collage.app.db import private_file
+
+        private_file(Path(settings.broker_url.removeprefix("sqla+sqlite:///")))
     app = Celery("collage", broker=celery_broker_url(settings.broker_url), include=["collage.worker.tasks"])
     app.conf.update(
         task_acks_late=True,

@@ -1,7 +1,12 @@
-"""The training process of one run: ``python -m worker.child RUN_ID`` (or under ``accelerate launch``).
+"""The training process of one run attempt: ``python -m collage.worker.child RUN_ID ATTEMPT`` (or under
+``accelerate launch``).
 
 Runs apart from the Celery worker so that a crash, a hang or GPU memory never outlives the run. It dies with
-its parent (Linux ``PR_SET_PDEATHSIG``), so a killed worker never leaves an orphan training on.
+its parent (Linux ``PR_SET_PDEATHSIG``), so a killed worker never leaves an orphan training on. Everything it
+writes, to the store and to disk, belongs to its attempt: store writes are conditioned on the attempt being
+current, and its output folder is ``runs/<id>/attempt-<n>/``, so two attempts never mix checkpoints. A
+resumed attempt continues from the newest checkpoint the store records (written by an earlier, then current,
+attempt).
 """
 
 from __future__ import annotations
@@ -31,58 +36,106 @@ def run_dir(artifacts: Path, run_id: str) -> Path:
     return artifacts / "runs" / run_id
 
 
-def main(run_id: str) -> int:
+def attempt_dir(artifacts: Path, run_id: str, attempt: int) -> Path:
+    return run_dir(artifacts, run_id) / f"attempt-{attempt}"
+
+
+def link_checkpoint(out: Path, checkpoint: Path) -> None:
+    """Make ``checkpoint`` (an earlier attempt's) the newest one in ``out``, as a link: the earlier attempt's
+    folder is never written to again."""
+    target = out / "checkpoints" / checkpoint.name
+    if target.resolve() == checkpoint.resolve():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_symlink() or target.exists():
+        target.unlink()
+    target.symlink_to(checkpoint.resolve(), target_is_directory=True)
+
+
+def main(run_id: str, attempt: int) -> int:
     die_with_parent()
     from sqlmodel import Session
 
     from collage.app.db import engine_for
     from collage.app.models import Run
     from collage.app.settings import get_settings
-    from collage.app.status import RunStatus
-    from collage.app.store.writer import StoreWriter
-    from collage.training.checkpoint import latest_checkpoint
+    from collage.app.status import ACTIVE, RunStatus
+    from collage.app.store.writer import StaleAttempt, StoreWriter
+    from collage.app.trust import config_violations
     from collage.training.config import parse_config
     from collage.training.trainer import Trainer, TrainingError
 
-    from .store_callback import StoreCallback
+    from .store_callback import EXIT_STALE, StoreCallback
 
     settings = get_settings()
+    if os.environ.get("COLLAGE_HOME"):  # caches stay where they are after the chdir below
+        os.environ["COLLAGE_HOME"] = str(Path(os.environ["COLLAGE_HOME"]).expanduser().absolute())
     engine = engine_for(settings.database_url)
-    writer = StoreWriter(engine, settings.artifacts)
+    store = StoreWriter(engine, settings.artifacts)
+    writer = store.for_attempt(run_id, attempt)
+    rank = int(os.environ.get("RANK", "0"))
+
+    def fail(error: str, message: str) -> int:
+        if rank == 0:
+            store.transition(run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=error, message=message)
+        return EXIT_FAILED
+
     with Session(engine) as session:
         run = session.get(Run, run_id)
-        if run is None:
-            print(f"run {run_id} does not exist", file=sys.stderr)
-            return EXIT_FAILED
+        if run is None or run.attempt != attempt:
+            print(f"run {run_id}: attempt {attempt} is not current", file=sys.stderr)
+            return EXIT_STALE
         config_data = dict(run.config)
-    out = run_dir(settings.artifacts, run_id)
-    resume = latest_checkpoint(out) is not None
+    out = attempt_dir(settings.artifacts, run_id, attempt)
+    newest = store.latest_checkpoint(run_id)
+    if newest is not None and rank == 0 and Path(newest).is_dir():
+        link_checkpoint(out, Path(newest))
     heartbeat = float(os.environ.get("COLLAGE_HEARTBEAT_INTERVAL", "5"))
-    rank = int(os.environ.get("RANK", "0"))
-    callback = StoreCallback(writer, run_id, heartbeat_every=heartbeat)
-    if rank == 0:
-        callback.start_heartbeat()
+    callback = StoreCallback(
+        writer, run_id, heartbeat_every=heartbeat, ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE")
+    )
     try:
+        if rank == 0:
+            callback.start_heartbeat()
         config = parse_config(config_data)
-        result = Trainer(config, out, [callback] if rank == 0 else [], resume=resume).train()
+        # the config came from an API client: the operator's policy again, here, before any import or file read
+        violations = config_violations(config, settings)
+        if violations:
+            return fail(
+                "\n".join(f"{p}: {m}" for p, m in violations), f"refused: {violations[0][0]}: {violations[0][1]}"[:500]
+            )
+        # an empty working folder: transformers and datasets try a relative `org/name` as a local folder first, so
+        # a hub id must never resolve against wherever the worker was started
+        out = out.absolute()
+        work = out / "cwd"
+        work.mkdir(parents=True, exist_ok=True)
+        os.chdir(work)
+        trainer = Trainer(
+            config,
+            out,
+            [callback] if rank == 0 else [],
+            resume=newest is not None,
+            reward_modules=settings.reward_modules,  # () allows no module: only built-ins and operator paths
+        )
+        result = trainer.train()
+    except StaleAttempt:
+        return EXIT_STALE
     except TrainingError as exc:
-        if rank == 0:
-            writer.set_status(
-                run_id, RunStatus.FAILED, error=str(exc), message=f"failed: {str(exc).splitlines()[0][:500]}"
-            )
-        return EXIT_FAILED
+        return fail(str(exc), f"failed: {str(exc).splitlines()[0][:500]}")
     except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero
-        if rank == 0:
-            writer.set_status(
-                run_id, RunStatus.FAILED, error="".join(traceback.format_exception(exc)), message=f"failed: {exc}"
-            )
-        return EXIT_FAILED
+        return fail("".join(traceback.format_exception(exc)), f"failed: {exc}")
     finally:
         callback.stop_heartbeat()
     if rank == 0:
-        writer.set_status(run_id, RunStatus(result.status), message=f"{result.status} at step {result.step}")
+        store.transition(
+            run_id,
+            ACTIVE,
+            RunStatus(result.status),
+            when_attempt=attempt,
+            message=f"{result.status} at step {result.step}",
+        )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))

@@ -4,18 +4,36 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
+import time
 
 from celery import signals
-from sqlmodel import col
 
-from collage.app.db import check_migrated, engine_for, session_scope
-from collage.app.models import Event, Run
+from collage.app.db import check_migrated, engine_for
 from collage.app.settings import get_settings
 from collage.app.status import RunStatus
-from collage.app.store.sql import changed_rows
+from collage.app.store.writer import StoreWriter
+from collage.training.data.synth import clean_stale_temp_folders
 
 log = logging.getLogger("collage.worker")
+
+
+def watch_parent() -> None:
+    """An embedded worker (started by `collage serve`, which sets COLLAGE_PARENT_PID) stops when serve is gone,
+    even after kill -9 of serve where the kernel's parent-death signal is not available."""
+    parent = os.environ.get("COLLAGE_PARENT_PID")
+    if not parent:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(1)
+        log.warning("collage serve (pid %s) is gone: stopping this embedded worker", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="collage-parent-watch", daemon=True).start()
 
 
 def run_worker(
@@ -24,14 +42,15 @@ def run_worker(
     settings = get_settings()
     engine = engine_for(settings.database_url)
     check_migrated(engine)
-    from sqlalchemy import update
-
     from . import tasks
     from .celery_app import celery_app
     from .reaper import Reaper
     from .registry import Registration
     from .supervisor import Slot
 
+    removed = clean_stale_temp_folders()  # what a crash (of any worker sharing this COLLAGE_HOME) left half-written
+    if removed:
+        log.warning("removed %d unfinished synthetic dataset folder(s) left by an earlier crash", removed)
     name = name or f"collage-{socket.gethostname()}-{os.getpid()}"
     tasks.SLOT = Slot(gpus=gpus)
     registration = Registration(engine, name, queues, gpus, every=settings.heartbeat_interval)
@@ -41,26 +60,21 @@ def run_worker(
     reaper = Reaper(engine, settings.heartbeat_timeout)
     reaper.start()
 
+    writer = StoreWriter(engine, settings.artifacts)
+
     @signals.worker_shutting_down.connect(weak=False)
     def _on_shutdown(**_kwargs):
         # a stopping worker asks its run to checkpoint and stop; `resume` continues it later
         run_id = registration.current_run
-        if run_id is None:
-            return
-        with session_scope(engine) as session:
-            moved = changed_rows(
-                session,
-                update(Run)
-                .where(col(Run.id) == run_id, col(Run.status) == RunStatus.RUNNING)
-                .values(status=RunStatus.CANCELLING),
+        if run_id is not None:
+            writer.transition(
+                run_id,
+                [RunStatus.RUNNING],
+                RunStatus.CANCELLING,
+                message=f"worker {name} is shutting down: checkpoint, then stop",
             )
-            if moved:
-                session.add(
-                    Event(
-                        run_id=run_id, level="warning", message=f"worker {name} is shutting down: checkpoint, then stop"
-                    )
-                )
 
+    watch_parent()
     log.info("worker %s: queues %s, GPU slot %s", name, ",".join(queues), gpus or "CPU")
     try:
         celery_app.worker_main(

@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
+from pathlib import Path
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.engine import Engine
-from sqlmodel import col
+from sqlmodel import Session, col
 
-from collage.app.db import session_scope
-from collage.app.models import Event, Run, utcnow
-from collage.app.status import RunStatus
-from collage.app.store.sql import changed_rows
+from collage.app.models import Run, utcnow
+from collage.app.status import ACTIVE, RunStatus
+from collage.app.store.writer import StoreWriter
 
 from .registry import forget_stale
 
@@ -23,37 +23,34 @@ STALE_WORKER_AFTER = 24 * 3600.0  # a worker silent this long (killed, host gone
 
 
 def reap(engine: Engine, timeout: float) -> list[str]:
-    """One pass; returns the ids of the runs it marked failed. Safe to run on many hosts at once: each run is
-    moved by a conditional UPDATE, so only one pass wins it."""
+    """One pass; returns the ids of the runs it ended. Safe to run on many hosts at once: each run moves by a
+    conditional transition (still active, still under the same attempt, heartbeat still stale), so one pass
+    wins it, and a training process that beats meanwhile keeps its run."""
     cutoff = utcnow() - timedelta(seconds=timeout)
-    reaped = []
-    with session_scope(engine) as session:
+    writer = StoreWriter(engine, Path("."))
+    with Session(engine) as session:
         stale = session.execute(
-            select(col(Run.id), col(Run.worker), col(Run.status)).where(
-                col(Run.status).in_((RunStatus.RUNNING, RunStatus.CANCELLING)), col(Run.heartbeat_at) < cutoff
+            select(col(Run.id), col(Run.worker), col(Run.status), col(Run.attempt)).where(
+                col(Run.status).in_(list(ACTIVE)), col(Run.heartbeat_at) < cutoff
             )
         ).all()
-        for run_id, worker, status in stale:
-            reason = f"no heartbeat for {timeout:.0f}s: worker {worker or '?'} lost (killed, or its machine went away)"
-            ended = RunStatus.CANCELLED if status == RunStatus.CANCELLING else RunStatus.FAILED
-            result = changed_rows(
-                session,
-                update(Run)
-                .where(col(Run.id) == run_id, col(Run.status) == status, col(Run.heartbeat_at) < cutoff)
-                .values(
-                    status=ended,
-                    error=reason if ended == RunStatus.FAILED else None,
-                    finished_at=utcnow(),
-                    updated_at=utcnow(),
-                ),
-            )
-            if result == 1:
-                session.add(
-                    Event(run_id=run_id, level="error" if ended == "failed" else "info", message=f"{ended}: {reason}")
-                )
-                reaped.append(run_id)
-    for run_id in reaped:
-        log.warning("run %s marked failed: heartbeat older than %ss", run_id, timeout)
+    reaped = []
+    for run_id, worker, status, attempt in stale:
+        reason = (
+            f"no heartbeat for {timeout:.0f}s: worker {worker or '?'} lost (killed, stopped, or its machine went away)"
+        )
+        ended = RunStatus.CANCELLED if status == RunStatus.CANCELLING else RunStatus.FAILED
+        if writer.transition(
+            run_id,
+            [status],
+            ended,
+            when_attempt=attempt,
+            where=[col(Run.heartbeat_at) < cutoff],
+            error=reason if ended == RunStatus.FAILED else None,
+            message=f"{ended}: {reason}",
+        ):
+            reaped.append(run_id)
+            log.warning("run %s attempt %s %s: heartbeat older than %ss", run_id, attempt, ended, timeout)
     return reaped
 
 

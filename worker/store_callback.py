@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from collage.app.models import RunStatus
-from collage.app.store.writer import ImageIn, SampleIn, StoreWriter
+from collage.app.store.writer import ImageIn, SampleIn, StaleAttempt, StoreWriter
 from collage.training.callbacks import Callback, RolloutRow
+
+log = logging.getLogger("collage.worker")
+
+EXIT_STALE = 4  # the child's exit code when its attempt was superseded
 
 
 def _sample_in(row: RolloutRow) -> SampleIn:
@@ -29,25 +36,35 @@ def _sample_in(row: RolloutRow) -> SampleIn:
 
 
 class StoreCallback(Callback):
-    def __init__(self, writer: StoreWriter, run_id: str, heartbeat_every: float = 5.0):
+    """Writes a run into the store through an attempt-guarded writer: when the attempt stops being current
+    (reaped as lost, resumed as a newer attempt, deleted), the next write or heartbeat raises StaleAttempt and
+    the heartbeat thread ends the process at once, within one heartbeat interval."""
+
+    def __init__(self, writer: StoreWriter, run_id: str, heartbeat_every: float = 5.0, ready_file: str | None = None):
         self.writer = writer
         self.run_id = run_id
         self.heartbeat_every = heartbeat_every
+        self.ready_file = ready_file
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.final: tuple[str, str | None] | None = None
 
     def _beat(self) -> None:
-        # a long step (or a slow first model load) must not look like a dead worker
+        # a long step must not look like a dead worker
         while not self._stop.wait(self.heartbeat_every):
             try:
                 self.writer.heartbeat(self.run_id)
-            except Exception:  # noqa: BLE001 - a missed beat is retried; the reaper tolerates a few
-                pass
+            except StaleAttempt:
+                log.error("run %s: this attempt is no longer current; stopping now", self.run_id)
+                os._exit(EXIT_STALE)  # nothing it would still write may reach the store or the run folder
+            except Exception:  # the writer already retried; a missed beat is tolerated by the reaper
+                log.exception("run %s: heartbeat failed", self.run_id)
 
     def start_heartbeat(self) -> None:
         if self._thread is None:
             self.writer.heartbeat(self.run_id)
+            if self.ready_file:
+                Path(self.ready_file).touch()  # the supervisor stops beating for us
             self._thread = threading.Thread(target=self._beat, name="collage-heartbeat", daemon=True)
             self._thread.start()
 

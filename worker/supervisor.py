@@ -1,4 +1,11 @@
-"""Claim a run, run its training child, watch it: heartbeats, cancellation with a grace period, exit status."""
+"""Claim a run, run its training child, watch it: heartbeats, cancellation with a grace period, exit status.
+
+Every status change is a conditional transition in the store (``StoreWriter.transition``). The claim records
+which attempt this worker runs; the child writes only under that attempt, and the supervisor stops watching
+(and kills the child) the moment the run is no longer active under it: reaped as lost, resumed as a newer
+attempt, or deleted. Until the child's own heartbeat takes over, the supervisor beats for it, so slow imports
+and model loads never get a healthy run reaped.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +14,22 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from sqlalchemy import select, update
-from sqlalchemy.engine import Engine
-from sqlmodel import Session, col
+from sqlmodel import Session
 
-from collage.app.db import session_scope
-from collage.app.models import Event, Run, utcnow
-from collage.app.status import RunStatus
-from collage.app.store.sql import changed_rows
-from collage.app.store.writer import StoreWriter
+from collage.app.models import Run
+from collage.app.status import ACTIVE, ENDED, RunStatus
+from collage.app.store.writer import StaleAttempt, StoreWriter
 from collage.training.errors import CollageError
 
 log = logging.getLogger("collage.worker")
+
+READY_ENV = "COLLAGE_CHILD_READY_FILE"  # the child touches this file once its own heartbeat runs
+EXIT_GRACE = 10.0  # seconds a child whose run has ended may take to exit before it is killed
 
 
 @dataclass
@@ -29,34 +37,22 @@ class Slot:
     gpus: list[int]  # the GPUs of this worker's slot; empty = CPU
 
 
-def claim(engine: Engine, run_id: str, worker: str) -> Run | None:
+def claim(writer: StoreWriter, run_id: str, worker: str) -> Run | None:
     """Atomically move a queued run to running for this worker. ``None`` if someone else has it (a
     redelivered message), or it was cancelled while queued: the task is then a no-op."""
-    now = utcnow()
-    with session_scope(engine) as session:
-        result = changed_rows(
-            session,
-            update(Run)
-            .where(col(Run.id) == run_id, col(Run.status) == RunStatus.QUEUED)
-            .values(status=RunStatus.RUNNING, worker=worker, started_at=now, heartbeat_at=now, updated_at=now),
-        )
-        if result != 1:
-            return None
-        session.add(Event(run_id=run_id, level="info", message=f"status: running on {worker}"))
-    with Session(engine, expire_on_commit=False) as session:
+    if not writer.transition(
+        run_id, [RunStatus.QUEUED], RunStatus.RUNNING, message=f"status: running on {worker}", worker=worker
+    ):
+        return None
+    with Session(writer.engine, expire_on_commit=False) as session:
         return session.get(Run, run_id)
-
-
-def _status(engine: Engine, run_id: str) -> str | None:
-    with Session(engine) as session:
-        return session.execute(select(col(Run.status)).where(col(Run.id) == run_id)).scalar_one_or_none()
 
 
 def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str | None]:
     """The training command for this slot, its environment, and a warning worth recording (or ``None``)."""
     wanted = int(run.config.get("resources", {}).get("gpus", 1))
     env = dict(os.environ)
-    single = [sys.executable, "-m", "collage.worker.child", run.id]
+    single = [sys.executable, "-m", "collage.worker.child", run.id, str(run.attempt)]
     if wanted == 0:
         env["CUDA_VISIBLE_DEVICES"] = ""
         return single, env, None
@@ -74,7 +70,7 @@ def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str 
         return single, env, None
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(wanted),
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-    return [*launch, "-m", "collage.worker.child", run.id], env, None
+    return [*launch, "-m", "collage.worker.child", run.id, str(run.attempt)], env, None
 
 
 class SlotTooSmall(CollageError, RuntimeError):
@@ -86,50 +82,109 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    proc.wait()
 
 
-def supervise(engine: Engine, writer: StoreWriter, run_id: str, worker: str, slot: Slot,
-              cancel_grace: float = 60.0, poll: float = 0.5) -> str | None:  # fmt: skip
+def supervise(
+    writer: StoreWriter,
+    run_id: str,
+    worker: str,
+    slot: Slot,
+    cancel_grace: float = 60.0,
+    heartbeat_every: float = 5.0,
+    poll: float = 0.5,
+) -> str | None:
     """Run one claimed run to its end; returns its final status (``None`` if the run was not claimed)."""
-    run = claim(engine, run_id, worker)
+    run = claim(writer, run_id, worker)
     if run is None:
         log.info("run %s is not queued (already claimed, cancelled or deleted): nothing to do", run_id)
         return None
+    attempt = run.attempt
+    mine = writer.for_attempt(run_id, attempt)
     try:
         cmd, env, warning = child_command(run, slot)
     except SlotTooSmall as exc:
-        writer.set_status(run_id, RunStatus.FAILED, error=str(exc), message=f"failed: {exc}")
+        writer.transition(
+            run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=str(exc), message=f"failed: {exc}"
+        )
         return RunStatus.FAILED
     if warning:
-        writer.add_event(run_id, "warning", warning)
-    log.info("run %s: starting %s", run_id, " ".join(cmd))
-    # its own session, so the whole process group (accelerate's ranks too) can be killed at once
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        mine.add_event(run_id, "warning", warning)
+    with tempfile.TemporaryDirectory(prefix="collage-child-") as tmp:
+        ready = Path(tmp) / "ready"
+        env[READY_ENV] = str(ready)
+        log.info("run %s attempt %s: starting %s", run_id, attempt, " ".join(cmd))
+        # its own session, so the whole process group (accelerate's ranks too) can be killed at once
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        return _watch(writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll)
+
+
+def _watch(
+    writer: StoreWriter,
+    mine: StoreWriter,
+    proc: subprocess.Popen,
+    run_id: str,
+    attempt: int,
+    ready: Path,
+    cancel_grace: float,
+    heartbeat_every: float,
+    poll: float,
+) -> str | None:
     cancel_seen: float | None = None
-    while True:
-        code = proc.poll()
-        if code is not None:
-            break
-        status = _status(engine, run_id)
-        if status in (RunStatus.CANCELLING, RunStatus.CANCELLED, None):
+    last_beat = 0.0
+    while proc.poll() is None:
+        try:
+            state = writer.run_state(run_id)
+            if not ready.exists() and time.monotonic() - last_beat >= heartbeat_every:
+                mine.heartbeat(run_id)  # the child is still starting: beat for it
+                last_beat = time.monotonic()
+        except StaleAttempt:
+            state = None
+        except Exception:  # the store is briefly unreachable (the writer already retried): keep watching
+            log.exception("run %s: could not read the run's state", run_id)
+            time.sleep(poll)
+            continue
+        if state is not None and state[1] == attempt and state[0] in ENDED:
+            # the child wrote its final status (or the reaper ended the run): a moment to exit, then it goes
+            try:
+                proc.wait(timeout=EXIT_GRACE)
+            except subprocess.TimeoutExpired:
+                _kill(proc)
+            return state[0]
+        if state is None or state[1] != attempt or state[0] not in ACTIVE:
+            # resumed as a newer attempt or deleted: this child must not write another byte
+            log.warning(
+                "run %s attempt %s is no longer current (%s): killing its training process", run_id, attempt, state
+            )
+            _kill(proc)
+            return None
+        if state[0] == RunStatus.CANCELLING:
             cancel_seen = cancel_seen or time.monotonic()
             if time.monotonic() - cancel_seen > cancel_grace:
                 _kill(proc)
-                proc.wait()
-                writer.set_status(
+                writer.transition(
                     run_id,
+                    ACTIVE,
                     RunStatus.CANCELLED,
+                    when_attempt=attempt,
                     message=f"cancelled: the training did not stop within {cancel_grace:.0f}s and was killed",
                 )
                 return RunStatus.CANCELLED
         time.sleep(poll)
-    final = _status(engine, run_id)
-    if final in (RunStatus.RUNNING, RunStatus.CANCELLING):
+    code = proc.returncode
+    state = writer.run_state(run_id)
+    if state is not None and state[1] == attempt and state[0] in ACTIVE:
         # the child died without saying how it ended
         reason = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        ended = RunStatus.CANCELLED if final == RunStatus.CANCELLING else RunStatus.FAILED
-        writer.set_status(run_id, ended, error=None if ended == RunStatus.CANCELLED else f"the training process {reason}",
-                          message=f"{ended}: the training process {reason}")  # fmt: skip
-        final = ended
-    log.info("run %s ended %s", run_id, final)
-    return final
+        ended = RunStatus.CANCELLED if state[0] == RunStatus.CANCELLING else RunStatus.FAILED
+        writer.transition(
+            run_id,
+            ACTIVE,
+            ended,
+            when_attempt=attempt,
+            error=None if ended == RunStatus.CANCELLED else f"the training process {reason}",
+            message=f"{ended}: the training process {reason}",
+        )
+        return ended
+    log.info("run %s attempt %s ended %s", run_id, attempt, state)
+    return state[0] if state is not None and state[1] == attempt else None

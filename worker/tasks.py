@@ -28,7 +28,14 @@ def run_training(run_id: str) -> str | None:
     if REGISTRATION is not None:
         REGISTRATION.set_run(run_id)
     try:
-        return supervise(engine, writer, run_id, worker, SLOT, cancel_grace=settings.cancel_grace)
+        return supervise(
+            writer,
+            run_id,
+            worker,
+            SLOT,
+            cancel_grace=settings.cancel_grace,
+            heartbeat_every=settings.heartbeat_interval,
+        )
     finally:
         if REGISTRATION is not None:
             REGISTRATION.set_run(None)

@@ -12,29 +12,38 @@ from collage.training.rewards.builtins import BUILTINS
 
 from ..auth import UNAUTHORIZED, require_token
 from ..schemas import FamilyInfo, ModelsOut, RewardInfo, RewardsOut
+from ..trust import confined
 
 router = APIRouter(tags=["catalog"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 
 
 @router.get("/rewards", response_model=RewardsOut)
-def rewards() -> RewardsOut:
+def rewards(request: Request) -> RewardsOut:
+    settings = request.app.state.settings
+    modules = ", ".join(settings.reward_modules) or "none: the operator has allowlisted no module"
+    roots = ", ".join(str(r) for r in settings.allowed_model_roots())
     return RewardsOut(
         builtins=[
             RewardInfo(name=n, kind="builtin", doc=inspect.getdoc(fn) or "") for n, fn in sorted(BUILTINS.items())
         ],
-        user_functions="'package.module:function', importable on the worker; called with prompts, completions, "
+        user_functions="'package.module:function', a function defined in a module the operator allowlists "
+        f"(COLLAGE_REWARD_MODULES; here: {modules}) and importable on the worker; called with prompts, completions, "
         "completion_ids, images and every dataset column; returns one float or None per sample",
-        text_reward_models="a local sequence-classification checkpoint folder; cannot see images "
-        "(on_images_for_text_reward: error | drop)",
+        text_reward_models="the absolute path of a sequence-classification checkpoint folder under the model roots "
+        f"({roots}); cannot see images (on_images_for_text_reward: error | drop)",
     )
 
 
-def _local_models(home: Path) -> list[str]:
-    found = []
-    for folder in (home / "models", home / "cache" / "models"):
-        if folder.is_dir():
-            found += sorted(str(p) for p in folder.iterdir() if (p / "config.json").is_file())
-    return found
+def _local_models(roots: tuple[Path, ...]) -> list[str]:
+    """Model folders at the top of each model root and in its models/ and cache/models/ folders."""
+    found: set[str] = set()
+    for root in roots:
+        for folder in (root, root / "models", root / "cache" / "models"):
+            if folder.is_dir():
+                found.update(
+                    str(p) for p in folder.iterdir() if (p / "config.json").is_file() and confined(str(p), roots)
+                )
+    return sorted(found)
 
 
 @router.get("/models", response_model=ModelsOut)
@@ -46,5 +55,5 @@ def models(request: Request) -> ModelsOut:
     return ModelsOut(
         families=families,
         tiny=[f"tiny:{n}" for n in TINY_FAMILIES],
-        local=_local_models(request.app.state.settings.home),
+        local=_local_models(request.app.state.settings.allowed_model_roots()),
     )

@@ -1,14 +1,20 @@
 """Dataset check and preview, run in a child process.
 
 The web process never imports the training code (and never opens user files in-process): it runs
-``collage data check --json`` / ``collage data preview --json`` and relays their reports.
+``collage data check --json`` / ``collage data preview --json`` and relays their reports. The client's values
+are checked against the operator's roots first (app.trust: an outside path never reaches the child), go after
+``--`` or as ``--option=value`` (never read as options), and the child runs in an empty folder, so that a
+relative name (a hub id) is never a file on the server.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
@@ -17,7 +23,10 @@ from fastapi.concurrency import run_in_threadpool
 from ..auth import UNAUTHORIZED, require_token
 from ..db import session_scope
 from ..schemas import DatasetCheckOut, DatasetCheckRequest, DatasetPreviewOut, PreviewRow
+from ..settings import Settings
 from ..store.sql import dialect_insert
+from ..trust import split_violation
+from ..validation import check_dataset, check_model
 from .common import image_ref
 
 router = APIRouter(tags=["datasets"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
@@ -26,17 +35,36 @@ TIMEOUT = 600
 
 
 def _run_cli(args: list[str], timeout: int = TIMEOUT) -> tuple[int, str, str]:
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "collage.app.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise HTTPException(504, f"the dataset took longer than {timeout}s to read") from exc
+    env = dict(os.environ)
+    if env.get("COLLAGE_HOME"):  # the child runs elsewhere: a relative home must keep meaning the same folder
+        env["COLLAGE_HOME"] = str(Path(env["COLLAGE_HOME"]).expanduser().absolute())
+    with tempfile.TemporaryDirectory(prefix="collage-data-") as empty:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "collage.app.cli", *args],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+                cwd=empty,
+                env=env,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise HTTPException(504, f"the dataset took longer than {timeout}s to read") from exc
     return done.returncode, done.stdout, done.stderr
+
+
+def _refuse(settings: Settings, source: str, split: str, model: str | None = None, images: tuple[int, int] = (0, 3)):
+    """400 naming the parameter when a value is refused (a path outside the operator's roots, an unknown synthetic
+    task, a missing local path); the child never sees it. The same checks as a run config's."""
+    problems = [
+        ("source", check_dataset(source, *images, settings)),
+        ("split", split_violation(split)),
+        ("model", check_model(model, settings) if model is not None else None),
+    ]
+    for name, message in problems:
+        if message is not None:
+            raise HTTPException(400, f"{name}: {message}")
 
 
 def _last_error(stderr: str) -> str:
@@ -45,16 +73,19 @@ def _last_error(stderr: str) -> str:
 
 
 @router.post("/datasets/check", response_model=DatasetCheckOut, responses={400: {"description": "unreadable source"}})
-async def check(body: DatasetCheckRequest) -> DatasetCheckOut:
+async def check(request: Request, body: DatasetCheckRequest) -> DatasetCheckOut:
     """The `collage data check` report: every bad row, images and image tokens per row."""
-    args = ["data", "check", body.source, "--split", body.split, "--json"]
+    images = (body.min_images, body.max_images)
+    _refuse(request.app.state.settings, body.source, body.split, body.model or None, images)
+    args = ["data", "check", f"--split={body.split}", "--json"]
     if body.model:
-        args += ["--model", body.model]
+        args.append(f"--model={body.model}")
     if body.max_prompt_length:
         args += ["--max-prompt-length", str(body.max_prompt_length)]
     if body.source.startswith("synth:"):
         args += ["--rows", str(body.rows), "--min-images", str(body.min_images), "--max-images", str(body.max_images)]
         args += ["--seed", str(body.seed)]
+    args += ["--", body.source]
     code, out, err = await run_in_threadpool(_run_cli, args)
     if code not in (0, 1):
         raise HTTPException(400, _last_error(err))
@@ -71,8 +102,10 @@ async def preview(
     rows: Annotated[int, Query(ge=1, le=50)] = 5,
 ) -> DatasetPreviewOut:
     """The first rows with their images (served by `GET /images/{sha256}`)."""
-    artifacts = request.app.state.settings.artifacts
-    args = ["data", "preview", source, "--split", split, "--rows", str(rows), "--artifacts", str(artifacts)]
+    settings = request.app.state.settings
+    _refuse(settings, source, split)
+    artifacts = Path(settings.artifacts).absolute()
+    args = ["data", "preview", f"--split={split}", f"--rows={rows}", f"--artifacts={artifacts}", "--", source]
     code, out, err = await run_in_threadpool(_run_cli, args)
     if code != 0:
         raise HTTPException(400, _last_error(err))

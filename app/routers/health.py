@@ -1,16 +1,28 @@
-"""Liveness of the store, the broker and the workers; the one route without a token."""
+"""Liveness of the store, the broker and the workers; the one API route that answers without a token (then
+only ok / not ok)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from sqlalchemy import text
 
+from ..auth import token_if_valid
 from ..db import DatabaseNotMigrated, check_migrated
+from ..models import ApiToken
 from ..schemas import HealthOut
 
 router = APIRouter(tags=["health"])
+
+
+class HealthBrief(BaseModel):
+    """What /health says without a token."""
+
+    ok: bool
 
 
 def _store(engine) -> dict:
@@ -25,8 +37,10 @@ def _store(engine) -> dict:
     return {"ok": True, "dialect": engine.dialect.name}
 
 
-@router.get("/health", response_model=HealthOut, responses={503: {"model": HealthOut}})
-async def health(request: Request):
+@router.get("/health", response_model=HealthOut | HealthBrief, responses={503: {"model": HealthOut | HealthBrief}})
+async def health(request: Request, token: Annotated[ApiToken | None, Depends(token_if_valid)]):
+    """ok / not ok for anyone (load balancers, compose health checks); with a token, the details: store,
+    broker and live workers (host names, pids, paths stay behind authentication)."""
     store = await run_in_threadpool(_store, request.app.state.engine)
     try:
         info = await run_in_threadpool(request.app.state.dispatcher.health)
@@ -36,4 +50,7 @@ async def health(request: Request):
     body = HealthOut(
         ok=bool(store["ok"] and broker.get("ok")), store=store, broker=broker, workers=info.get("workers", [])
     )
-    return JSONResponse(status_code=200 if body.ok else 503, content=body.model_dump())
+    status = 200 if body.ok else 503
+    if token is None:
+        return JSONResponse(status_code=status, content=HealthBrief(ok=body.ok).model_dump())
+    return JSONResponse(status_code=status, content=body.model_dump())

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlmodel import Session
 
 from collage.training.config import ConfigError, RunConfig, apply_overrides, parse_config
 
-from ..auth import UNAUTHORIZED, require_token
+from ..auth import FORBIDDEN, UNAUTHORIZED, check_may_change, require_token
 from ..db import session_scope
-from ..models import ENDED, Event, Metric, Run
+from ..models import ENDED, ApiToken, Metric, Run
 from ..schemas import CloneRequest, ErrorOut, EventOut, EventPage, RunCreated, RunOut, RunPage, ValidationErrorOut
 from ..status import RunStatus
 from ..store import queries
+from ..store.tokens import audit
 from ..validation import semantic_errors
 from .common import get_run_or_404, get_session, run_out, run_url
+
+log = logging.getLogger("collage.api")
 
 INT_MAX = 2**31 - 1  # steps and counts are 32-bit integers in the store
 
@@ -41,29 +45,54 @@ def _dispatch(request: Request, run: Run) -> None:
     try:
         request.app.state.dispatcher.submit(run.id, run.config.get("resources", {}).get("queue", "default"))
     except Exception as exc:  # any broker failure: the run is marked failed and the error re-raised as 503
-        request.app.state.writer.set_status(run.id, RunStatus.FAILED, error=f"could not queue the run: {exc}")
+        request.app.state.writer.transition(
+            run.id, [RunStatus.QUEUED], RunStatus.FAILED, error=f"could not queue the run: {exc}"
+        )
         raise HTTPException(503, f"run {run.id} was stored but could not be queued: {exc}") from exc
 
 
-def _create(request: Request, config: RunConfig, parent_id: str | None = None) -> Run:
-    errors = semantic_errors(config)
+def _warn_if_no_worker(request: Request, run: Run, queue: str) -> None:
+    """A run for a queue no live worker serves would wait silently: say so on the run page at once."""
+    try:
+        workers = request.app.state.dispatcher.health().get("workers", [])
+    except Exception:  # a broker problem is /health's to report; the run is queued regardless
+        log.exception("could not list live workers for run %s", run.id)
+        return
+    if not any(queue in (w.get("queues") or []) for w in workers):
+        request.app.state.writer.add_event(
+            run.id,
+            "warning",
+            f"no live worker takes runs from queue {queue!r}: the run waits until one starts "
+            f"(collage worker --queues {queue})",
+        )
+
+
+def _create(request: Request, config: RunConfig, token: ApiToken, parent_id: str | None = None) -> Run:
+    errors = semantic_errors(config, request.app.state.settings)
     if errors:
         raise _validation_error(errors)
-    run = request.app.state.writer.create_run(config.model_dump(mode="json"), parent_id=parent_id)
+    run = request.app.state.writer.create_run(config.model_dump(mode="json"), parent_id=parent_id, created_by=token)
     _dispatch(request, run)
+    _warn_if_no_worker(request, run, config.resources.queue)
     return run
 
 
 @router.post("/runs", status_code=201, response_model=RunCreated, responses=INVALID)
-def create_run(request: Request, response: Response, config: Annotated[RunConfig, Body()]) -> RunCreated:
+def create_run(
+    request: Request,
+    response: Response,
+    config: Annotated[RunConfig, Body()],
+    token: Annotated[ApiToken, Depends(require_token)],
+) -> RunCreated:
     """Validate the whole config, store the run as `queued` and hand it to the workers."""
-    run = _create(request, config)
+    run = _create(request, config, token)
     response.headers["Location"] = run_url(run.id)
     return RunCreated(id=run.id, status=RunStatus.QUEUED, url=run_url(run.id))
 
 
 @router.get("/runs", response_model=RunPage)
 def list_runs(
+    request: Request,
     session: Annotated[Session, Depends(get_session)],
     status: Annotated[str | None, Query(max_length=16)] = None,
     tag: Annotated[str | None, Query(max_length=100)] = None,
@@ -73,7 +102,8 @@ def list_runs(
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> RunPage:
     try:
-        runs, next_cursor = queries.list_runs(session, status, tag, algorithm, q, cursor, limit)
+        key = request.app.state.cursor_key  # cursors are signed: a changed one is refused
+        runs, next_cursor = queries.list_runs(session, status, tag, algorithm, q, cursor, limit, key=key)
     except queries.BadCursor as exc:
         raise HTTPException(400, str(exc)) from exc
     ids = [r.id for r in runs]
@@ -90,38 +120,71 @@ def get_run(run_id: str, session: Annotated[Session, Depends(get_session)]) -> R
     return run_out(run, tags, reward, with_config=True)
 
 
-@router.post("/runs/{run_id}/cancel", response_model=RunOut, responses={**NOT_FOUND, **CONFLICT})
-def cancel_run(run_id: str, request: Request, session: Annotated[Session, Depends(get_session)]) -> RunOut:
+@router.post("/runs/{run_id}/cancel", response_model=RunOut, responses={**NOT_FOUND, **CONFLICT, **FORBIDDEN})
+def cancel_run(
+    run_id: str,
+    request: Request,
+    session: Annotated[Session, Depends(get_session)],
+    token: Annotated[ApiToken, Depends(require_token)],
+) -> RunOut:
     """A queued run is cancelled at once; a running one checkpoints at its next step, then stops."""
     run = get_run_or_404(session, run_id)
+    check_may_change(token, run, "cancel")
     writer = request.app.state.writer
-    if run.status == RunStatus.QUEUED:
-        writer.set_status(run.id, RunStatus.CANCELLED, message="cancelled before it started")
-    elif run.status == RunStatus.RUNNING:
-        writer.set_status(run.id, RunStatus.CANCELLING, message="cancel requested: checkpoint, then stop")
+    if writer.transition(
+        run.id, [RunStatus.QUEUED], RunStatus.CANCELLED, message="cancelled before it started", actor=token.name
+    ):
+        pass
+    elif writer.transition(
+        run.id,
+        [RunStatus.RUNNING],
+        RunStatus.CANCELLING,
+        message="cancel requested: checkpoint, then stop",
+        actor=token.name,
+    ):
         request.app.state.dispatcher.cancel(run.id)
     else:
-        raise HTTPException(409, f"run {run.id} is {run.status}: only queued or running runs can be cancelled")
+        now = writer.run_status(run.id)
+        raise HTTPException(409, f"run {run.id} is {now}: only queued or running runs can be cancelled")
+    _audit(request, token, "run.cancel", run)
     return _reload(request, run.id)
 
 
-@router.post("/runs/{run_id}/resume", response_model=RunOut, responses={**NOT_FOUND, **CONFLICT})
-def resume_run(run_id: str, request: Request, session: Annotated[Session, Depends(get_session)]) -> RunOut:
+@router.post("/runs/{run_id}/resume", response_model=RunOut, responses={**NOT_FOUND, **CONFLICT, **FORBIDDEN})
+def resume_run(
+    run_id: str,
+    request: Request,
+    session: Annotated[Session, Depends(get_session)],
+    token: Annotated[ApiToken, Depends(require_token)],
+) -> RunOut:
     """Queue a failed or cancelled run again as a new attempt; it continues from its last checkpoint."""
     run = get_run_or_404(session, run_id)
-    if run.status not in (RunStatus.FAILED, RunStatus.CANCELLED):
-        raise HTTPException(409, f"run {run.id} is {run.status}: only failed or cancelled runs can be resumed")
-    with session_scope(request.app.state.engine) as s:
-        s.execute(
-            update(Run)
-            .where(Run.id == run.id)
-            .values(status=RunStatus.QUEUED, attempt=Run.attempt + 1, error=None, finished_at=None, worker=None)
-        )
-        s.add(Event(run_id=run.id, level="info", message=f"resume requested: attempt {run.attempt + 1}"))
+    check_may_change(token, run, "resume")
+    resumed = request.app.state.writer.transition(
+        run.id,
+        [RunStatus.FAILED, RunStatus.CANCELLED],
+        RunStatus.QUEUED,
+        message=f"resume requested: attempt {run.attempt + 1}",
+        actor=token.name,
+        when_attempt=run.attempt,  # of two concurrent resumes, one wins
+        attempt=Run.attempt + 1,
+        error=None,
+        finished_at=None,
+        worker=None,
+    )
+    if not resumed:
+        now = request.app.state.writer.run_status(run.id)
+        raise HTTPException(409, f"run {run.id} is {now}: only failed or cancelled runs can be resumed")
+    _audit(request, token, "run.resume", run)
     with _fresh(request) as fresh:
         run = get_run_or_404(fresh, run.id)
     _dispatch(request, run)
     return _reload(request, run.id)
+
+
+def _audit(request: Request, token: ApiToken, action: str, run: Run) -> None:
+    with session_scope(request.app.state.engine) as s:
+        audit(s, token.name, action, run.id, run.name)
 
 
 @router.post("/runs/{run_id}/clone", status_code=201, response_model=RunCreated, responses={**NOT_FOUND, **INVALID})
@@ -130,6 +193,7 @@ def clone_run(
     request: Request,
     response: Response,
     session: Annotated[Session, Depends(get_session)],
+    token: Annotated[ApiToken, Depends(require_token)],
     body: Annotated[CloneRequest | None, Body()] = None,
 ) -> RunCreated:
     """A new run with the same config, changed by ``overrides``."""
@@ -142,18 +206,24 @@ def clone_run(
         config = parse_config(data)
     except ConfigError as exc:
         raise _validation_error(exc.errors) from exc
-    run = _create(request, config, parent_id=source.id)
+    run = _create(request, config, token, parent_id=source.id)
     response.headers["Location"] = run_url(run.id)
     return RunCreated(id=run.id, status=RunStatus.QUEUED, url=run_url(run.id))
 
 
-@router.delete("/runs/{run_id}", status_code=204, responses={**NOT_FOUND, **CONFLICT})
-def delete_run(run_id: str, request: Request, session: Annotated[Session, Depends(get_session)]) -> Response:
-    """Only a run that has ended; its images stay (other runs may share them)."""
+@router.delete("/runs/{run_id}", status_code=204, responses={**NOT_FOUND, **CONFLICT, **FORBIDDEN})
+def delete_run(
+    run_id: str,
+    request: Request,
+    session: Annotated[Session, Depends(get_session)],
+    token: Annotated[ApiToken, Depends(require_token)],
+) -> Response:
+    """Only a run that has ended; its images stay (other runs may share them). The audit log keeps who did it."""
     run = get_run_or_404(session, run_id)
+    check_may_change(token, run, "delete")
     if run.status not in ENDED:
         raise HTTPException(409, f"run {run.id} is {run.status}: cancel it first, only ended runs can be deleted")
-    request.app.state.writer.delete_run(run.id)
+    request.app.state.writer.delete_run(run.id, actor=token.name)
     return Response(status_code=204)
 
 

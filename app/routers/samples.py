@@ -6,7 +6,9 @@ import csv
 import io
 import json
 import tempfile
-from typing import Annotated, Literal
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
@@ -34,6 +36,7 @@ def image_sizes(session: Session, shas: set[str]) -> dict[str, tuple[int, int]]:
 @router.get("/runs/{run_id}/samples", response_model=SamplePage, responses={404: {"description": "no such run"}})
 def list_samples(
     run_id: str,
+    request: Request,
     session: Annotated[Session, Depends(get_session)],
     step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     min_step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
@@ -73,7 +76,8 @@ def list_samples(
         q,
     )
     try:
-        rows, images, next_cursor = queries.query_samples(session, run_id, filters, sort, cursor, limit)
+        key = request.app.state.cursor_key
+        rows, images, next_cursor = queries.query_samples(session, run_id, filters, sort, cursor, limit, key=key)
     except queries.BadCursor as exc:
         raise HTTPException(400, str(exc)) from exc
     sizes = image_sizes(session, {sha for shas in images.values() for sha in shas})
@@ -87,33 +91,32 @@ SAMPLE_COLUMNS = [
 
 
 def _sample_records(engine, run_id: str):
-    with Session(engine) as session:
-        for row, shas in queries.iter_samples(session, run_id):
-            yield {
-                "run_id": row.run_id,
-                "step": row.step,
-                "group": row.group,
-                "index": row.index,
-                "prompt": row.prompt,
-                "completion": row.completion,
-                "images": shas,
-                "rewards": row.rewards,
-                "reward": row.reward,
-                "advantage": row.advantage,
-                "completion_length": row.completion_length,
-                "truncated": row.truncated,
-                "num_images": row.num_images,
-                "group_mean": row.group_mean,
-                "group_std": row.group_std,
-                "zero_std": row.zero_std,
-                "dataset_row": row.dataset_row,
-            }
+    for row, shas in queries.iter_samples(engine, run_id):  # a short session per batch
+        yield {
+            "run_id": row.run_id,
+            "step": row.step,
+            "group": row.group,
+            "index": row.index,
+            "prompt": row.prompt,
+            "completion": row.completion,
+            "images": shas,
+            "rewards": row.rewards,
+            "reward": row.reward,
+            "advantage": row.advantage,
+            "completion_length": row.completion_length,
+            "truncated": row.truncated,
+            "num_images": row.num_images,
+            "group_mean": row.group_mean,
+            "group_std": row.group_std,
+            "zero_std": row.zero_std,
+            "dataset_row": row.dataset_row,
+        }
 
 
 def _metric_records(engine, run_id: str):
-    with Session(engine) as session:
-        last = (-1, "")
-        while True:
+    last = (-1, "")
+    while True:
+        with Session(engine) as session:  # closed before the rows go out: a slow client holds no connection
             rows = session.execute(
                 select(Metric.step, Metric.key, Metric.value)
                 .where(Metric.run_id == run_id)
@@ -121,11 +124,24 @@ def _metric_records(engine, run_id: str):
                 .order_by(Metric.step, Metric.key)
                 .limit(5000)
             ).all()
-            if not rows:
-                return
-            for step, key, value in rows:
-                yield {"run_id": run_id, "step": step, "key": key, "value": value}
-            last = (rows[-1][0], rows[-1][1])
+        if not rows:
+            return
+        for step, key, value in rows:
+            yield {"run_id": run_id, "step": step, "key": key, "value": value}
+        last = (rows[-1][0], rows[-1][1])
+
+
+# a spreadsheet runs a cell that starts with one of these as a formula (CSV injection): OWASP's advice is to
+# prefix a single quote, which spreadsheets show as text
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    if isinstance(value, dict | list):
+        value = json.dumps(value)
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
 
 
 def _csv(records, columns):
@@ -136,7 +152,7 @@ def _csv(records, columns):
     for record in records:
         buf.seek(0)
         buf.truncate()
-        writer.writerow({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in record.items()})
+        writer.writerow({k: csv_cell(v) for k, v in record.items()})
         yield buf.getvalue()
 
 
@@ -179,32 +195,77 @@ def _parquet(records, what: str):
             yield chunk
 
 
+RETRY_AFTER_SECONDS = 10
+_SLOTS_LOCK = threading.Lock()
+
+
+def export_slots(app) -> threading.BoundedSemaphore:
+    """The app's export slots: ``settings.max_exports`` downloads at once per process, the rest get 429."""
+    with _SLOTS_LOCK:
+        slots = getattr(app.state, "export_slots", None)
+        if slots is None:
+            slots = app.state.export_slots = threading.BoundedSemaphore(app.state.settings.max_exports)
+        return slots
+
+
+class _SlotStream(StreamingResponse):
+    """A streamed download that holds an export slot until it ends, fails, or its client goes away."""
+
+    def __init__(self, content: Iterable[Any] | Iterator[Any], release: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 @router.get(
     "/runs/{run_id}/export",
     responses={
         404: {"description": "no such run"},
+        429: {"description": "too many exports at once; retry after the Retry-After header's seconds"},
         200: {"content": {"text/csv": {}, "application/x-ndjson": {}, "application/vnd.apache.parquet": {}}},
     },
 )
 def export(
     run_id: str,
     request: Request,
-    session: Annotated[Session, Depends(get_session)],
     what: Annotated[Literal["samples", "metrics"], Query()] = "samples",
     format: Annotated[Literal["csv", "jsonl", "parquet"], Query()] = "jsonl",
 ) -> StreamingResponse:
     """Download every sample (images by SHA-256) or every metric of a run, streamed."""
-    run = get_run_or_404(session, run_id)
     engine = request.app.state.engine
-    records = _sample_records(engine, run.id) if what == "samples" else _metric_records(engine, run.id)
-    columns = SAMPLE_COLUMNS if what == "samples" else ["run_id", "step", "key", "value"]
-    filename = f"{run.id}-{what}.{format}"
-    if format == "csv":
-        body, media = _csv(records, columns), "text/csv"
-    elif format == "jsonl":
-        body, media = _jsonl(records), "application/x-ndjson"
-    else:
-        body, media = _parquet(records, what), "application/vnd.apache.parquet"
-    return StreamingResponse(
-        body, media_type=media, headers={"Content-Disposition": f'attachment; filename="{filename}"'}
-    )
+    with Session(engine) as session:  # released before streaming: the stream reads in short sessions of its own
+        run_id = get_run_or_404(session, run_id).id
+    slots = export_slots(request.app)
+    if not slots.acquire(blocking=False):
+        raise HTTPException(
+            429,
+            f"{request.app.state.settings.max_exports} exports are running: retry in {RETRY_AFTER_SECONDS} s",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+    once = threading.Lock()
+
+    def release() -> None:
+        if once.acquire(blocking=False):  # exactly once, whichever way the response ends
+            slots.release()
+
+    try:
+        records = _sample_records(engine, run_id) if what == "samples" else _metric_records(engine, run_id)
+        columns = SAMPLE_COLUMNS if what == "samples" else ["run_id", "step", "key", "value"]
+        filename = f"{run_id}-{what}.{format}"
+        if format == "csv":
+            body, media = _csv(records, columns), "text/csv"
+        elif format == "jsonl":
+            body, media = _jsonl(records), "application/x-ndjson"
+        else:
+            body, media = _parquet(records, what), "application/vnd.apache.parquet"
+        return _SlotStream(
+            body, release, media_type=media, headers={"Content-Disposition": f'attachment; filename="{filename}"'}
+        )
+    except BaseException:
+        release()
+        raise

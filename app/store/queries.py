@@ -3,36 +3,88 @@
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
+import hmac
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, func, literal, or_, select, tuple_
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from ..models import Event, Metric, Run, RunTag, Sample, SampleImage
 
 PAGE_MAX = 500
+INT64 = 2**63  # ids and integer sort values of a cursor lie in the store's 64-bit range
 
 
 class BadCursor(ValueError):
     pass
 
 
-def encode_cursor(values: Sequence[Any]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(list(values)).encode()).decode().rstrip("=")
+NOT_OURS = "cursor is not one this API returned (or it was altered): request the first page again without it"
 
 
-def decode_cursor(cursor: str, size: int) -> list[Any]:
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode((text + "=" * (-len(text) % 4)).encode())
+
+
+def _mac(key: bytes, payload: bytes) -> bytes:
+    # a 128-bit tag: forging one is out of reach, and the cursor stays short
+    return hmac.new(key, b"collage-cursor\x00" + payload, hashlib.sha256).digest()[:16]
+
+
+def encode_cursor(values: Sequence[Any], key: bytes, scope: Sequence[str]) -> str:
+    """An opaque, signed cursor: the keyset ``values`` and the ``scope`` (listing, run, sort order) they belong
+    to, so a cursor is refused anywhere but where it was made."""
+    payload = json.dumps([list(scope), list(values)], separators=(",", ":")).encode()
+    return f"{_b64(payload)}.{_b64(_mac(key, payload))}"
+
+
+def decode_cursor(cursor: str, key: bytes, scope: Sequence[str], size: int) -> list[Any]:
+    """The keyset values of a cursor made by :func:`encode_cursor` for ``scope``; :class:`BadCursor` otherwise."""
+    body, _, tag = cursor.partition(".")
     try:
-        padded = cursor + "=" * (-len(cursor) % 4)
-        values = json.loads(base64.urlsafe_b64decode(padded.encode()).decode())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadCursor("cursor is not one this API returned") from exc
+        payload, mac = _unb64(body), _unb64(tag)
+    except (ValueError, binascii.Error) as exc:
+        raise BadCursor(NOT_OURS) from exc
+    if not hmac.compare_digest(mac, _mac(key, payload)):
+        raise BadCursor(NOT_OURS)
+    try:
+        made_for, values = json.loads(payload)
+    except (ValueError, TypeError) as exc:  # signed by us, so only an older cursor format lands here
+        raise BadCursor(NOT_OURS) from exc
+    if made_for != list(scope):
+        raise BadCursor(f"cursor was made for {_describe(made_for)}, not for {_describe(scope)}: request the first "
+                        "page again without it")  # fmt: skip
     if not isinstance(values, list) or len(values) != size:
-        raise BadCursor("cursor is not one this API returned")
+        raise BadCursor(NOT_OURS)
     return values
+
+
+def _describe(scope: Any) -> str:
+    if isinstance(scope, list) and len(scope) == 3 and scope[0] == "samples":
+        return f"the samples of run {scope[1]} sorted by {scope[2]}"
+    return "the run list" if scope == ["runs"] else "another listing"
+
+
+def _int_in_range(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -INT64 <= value < INT64
+
+
+def _finite_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return _int_in_range(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -63,8 +115,10 @@ def list_runs(
     q: str | None = None,
     cursor: str | None = None,
     limit: int = 50,
+    *,
+    key: bytes,
 ) -> tuple[list[Run], str | None]:
-    """Newest first."""
+    """Newest first; ``key`` signs and checks the cursors."""
     stmt = select(Run)
     if status:
         stmt = stmt.where(Run.status == status)
@@ -76,13 +130,13 @@ def list_runs(
         like = f"%{_escape_like(q)}%"
         stmt = stmt.where(or_(Run.name.ilike(like, escape="\\"), Run.id == q))
     if cursor:
-        created, run_id = decode_cursor(cursor, 2)
-        from datetime import datetime
-
+        created, run_id = decode_cursor(cursor, key, ["runs"], 2)
         try:
             created_at = datetime.fromisoformat(created)
         except (TypeError, ValueError) as exc:
-            raise BadCursor("cursor is not one this API returned") from exc
+            raise BadCursor(NOT_OURS) from exc
+        if not isinstance(run_id, str) or len(run_id) > 32:
+            raise BadCursor(NOT_OURS)
         stmt = stmt.where(
             tuple_(Run.created_at, Run.id) < tuple_(literal(created_at, Run.created_at.type), literal(run_id))
         )
@@ -92,7 +146,7 @@ def list_runs(
     if len(runs) > limit:
         runs = runs[:limit]
         last = runs[-1]
-        next_cursor = encode_cursor([last.created_at.isoformat(), last.id])
+        next_cursor = encode_cursor([last.created_at.isoformat(), last.id], key, ["runs"])
     return runs, next_cursor
 
 
@@ -184,18 +238,23 @@ def query_samples(
     sort: str = "step",
     cursor: str | None = None,
     limit: int = 50,
+    *,
+    key: bytes,
 ) -> tuple[list[Sample], dict[int, list[str]], str | None]:
-    """A page of samples, their image hashes in order, and the cursor of the next page."""
+    """A page of samples, their image hashes in order, and the cursor of the next page (signed with ``key``,
+    valid only for this run and sort order)."""
     name, descending = parse_sort(sort)
     column = SORTS[name]
+    scope = ["samples", run_id, f"-{name}" if descending else name]
     stmt = _apply_filters(select(Sample).where(Sample.run_id == run_id), filters)
     if cursor:
-        value, last_id = decode_cursor(cursor, 2)
-        if not isinstance(last_id, int) or not isinstance(value, (int, float)):
-            raise BadCursor("cursor is not one this API returned")
-        key = tuple_(column, Sample.id)
+        value, last_id = decode_cursor(cursor, key, scope, 2)
+        is_float = name in ("reward", "advantage")
+        if not _int_in_range(last_id) or not (_finite_number(value) if is_float else _int_in_range(value)):
+            raise BadCursor(NOT_OURS)
+        keyset = tuple_(column, Sample.id)
         bound = tuple_(literal(value, column.type), literal(last_id, Sample.id.type))
-        stmt = stmt.where(key < bound if descending else key > bound)
+        stmt = stmt.where(keyset < bound if descending else keyset > bound)
     if descending:
         stmt = stmt.order_by(column.desc(), Sample.id.desc())
     else:
@@ -205,7 +264,7 @@ def query_samples(
     if len(rows) > limit:
         rows = rows[:limit]
         last = rows[-1]
-        next_cursor = encode_cursor([getattr(last, column.key), last.id])
+        next_cursor = encode_cursor([getattr(last, column.key), last.id], key, scope)
     return rows, image_shas(session, [r.id for r in rows]), next_cursor
 
 
@@ -223,8 +282,9 @@ def image_shas(session: Session, sample_ids: Sequence[int]) -> dict[int, list[st
     return images
 
 
-def iter_samples(session: Session, run_id: str, batch: int = 1000):
-    """Every sample of a run in (step, id) order with its image hashes, streamed in batches."""
+def iter_samples(engine: Engine, run_id: str, batch: int = 1000) -> Iterator[tuple[Sample, list[str]]]:
+    """Every sample of a run in (step, id) order with its image hashes, streamed in batches. Each batch is read
+    in its own short session, closed before its rows are handed out: a slow download holds no connection."""
     last = (-1, -1)
     while True:
         stmt = (
@@ -233,10 +293,11 @@ def iter_samples(session: Session, run_id: str, batch: int = 1000):
             .order_by(Sample.step, Sample.id)
             .limit(batch)
         )
-        rows = list(session.scalars(stmt))
+        with Session(engine) as session:
+            rows = list(session.scalars(stmt))
+            images = image_shas(session, [r.id for r in rows])
         if not rows:
             return
-        images = image_shas(session, [r.id for r in rows])
         yield from ((row, images[row.id]) for row in rows)
         last = (rows[-1].step, rows[-1].id)
 

@@ -1,42 +1,168 @@
-"""API tokens: random, shown once, stored only as a SHA-256 hash, compared in constant time."""
+"""API tokens, their roles, one-time login links and the audit log.
+
+A token is random (256 bits), shown once and stored only as its SHA-256 (nothing to brute-force, so a fast
+hash is enough); a login link's code likewise. Revoking a token ends its API access and its browser sessions
+at once; an expired token is refused like a revoked one.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
+from enum import Enum
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col
+
+from collage.training.errors import CollageError
 
 from ..db import session_scope
-from ..models import ApiToken, utcnow
+from ..models import ApiToken, AuditEntry, LoginLink, WebSession, utcnow
+from .sql import changed_rows
 
 PREFIX = "clg_"
+LINK_LIFETIME = timedelta(minutes=10)
 
 
-def hash_token(token: str) -> str:
-    # tokens carry 256 random bits, so a plain (fast) hash is enough: there is nothing to brute-force
-    return hashlib.sha256(token.encode()).hexdigest()
+class TokenRole(str, Enum):
+    ADMIN = "admin"  # manages tokens, changes any run
+    MEMBER = "member"  # creates runs, reads all runs, cancels/resumes/deletes only its own
+
+    def __str__(self) -> str:
+        return self.value
 
 
-def create_token(engine: Engine, name: str) -> str:
+class TokenError(CollageError):
+    pass
+
+
+def hash_secret(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    # SQLite hands datetimes back naive; every stored time is UTC
+    return value.replace(tzinfo=timezone.utc) if value is not None and value.tzinfo is None else value
+
+
+def usable(token: ApiToken | None, now: datetime | None = None) -> bool:
+    if token is None or token.revoked:
+        return False
+    expires = _aware(token.expires_at)
+    return expires is None or expires > (now or utcnow())
+
+
+def audit(session: Session, actor: str, action: str, target: str, detail: str | None = None) -> None:
+    session.add(AuditEntry(actor=actor, action=action, target=target[:200], detail=detail))
+
+
+def create_token(
+    engine: Engine,
+    name: str,
+    role: TokenRole | str = TokenRole.MEMBER,
+    expires_days: float | None = None,
+    actor: str = "cli",
+) -> str:
+    """A new token, returned once. Names are unique among tokens that are not revoked (revoke goes by name)."""
+    role = TokenRole(role)
+    name = name.strip()
+    if not name or len(name) > 100:
+        raise TokenError("a token name must be 1 to 100 characters")
+    if expires_days is not None and not 0 < expires_days <= 3650:
+        raise TokenError("--expires must be between 0 and 3650 days")
     token = PREFIX + secrets.token_urlsafe(32)
+    expires = utcnow() + timedelta(days=expires_days) if expires_days is not None else None
     with session_scope(engine) as session:
-        session.add(ApiToken(name=name, token_hash=hash_token(token), prefix=token[:10]))
+        taken = session.scalars(
+            select(col(ApiToken.id)).where(col(ApiToken.name) == name, col(ApiToken.revoked).is_(False))
+        ).first()
+        if taken is not None:
+            raise TokenError(f"a token named {name!r} already exists: revoke it first or choose another name")
+        session.add(
+            ApiToken(name=name, token_hash=hash_secret(token), prefix=token[:10], role=role.value, expires_at=expires)
+        )
+        audit(
+            session, actor, "token.create", name, f"role {role}" + (f", expires {expires:%Y-%m-%d}" if expires else "")
+        )
     return token
 
 
 def verify_token(engine: Engine, token: str) -> ApiToken | None:
-    digest = hash_token(token)
+    digest = hash_secret(token)
     with Session(engine, expire_on_commit=False) as session:
-        found = session.scalars(select(ApiToken).where(ApiToken.token_hash == digest)).first()
-        if found is None or found.revoked or not hmac.compare_digest(found.token_hash, digest):
+        found = session.scalars(select(ApiToken).where(col(ApiToken.token_hash) == digest)).first()
+        if found is None or not hmac.compare_digest(found.token_hash, digest) or not usable(found):
             return None
         now = utcnow()
-        if found.last_used_at is None or now - found.last_used_at > timedelta(minutes=1):
-            session.execute(update(ApiToken).where(ApiToken.id == found.id).values(last_used_at=now))
+        last = _aware(found.last_used_at)
+        if last is None or now - last > timedelta(minutes=1):
+            session.execute(update(ApiToken).where(col(ApiToken.id) == found.id).values(last_used_at=now))
             session.commit()
         return found
+
+
+def active_token(engine: Engine, token_id: int) -> ApiToken | None:
+    with Session(engine, expire_on_commit=False) as session:
+        found = session.get(ApiToken, token_id)
+    return found if usable(found) else None
+
+
+def list_tokens(engine: Engine) -> list[ApiToken]:
+    with Session(engine, expire_on_commit=False) as session:
+        return list(session.scalars(select(ApiToken).order_by(col(ApiToken.created_at), col(ApiToken.id))))
+
+
+def revoke_token(engine: Engine, name: str, actor: str = "cli") -> int:
+    """Revoke every live token of that name; its sessions and unused login links end with it."""
+    with session_scope(engine) as session:
+        ids = list(
+            session.scalars(
+                select(col(ApiToken.id)).where(col(ApiToken.name) == name, col(ApiToken.revoked).is_(False))
+            )
+        )
+        if not ids:
+            raise TokenError(f"no live token named {name!r} (`collage token list` shows them)")
+        session.execute(update(ApiToken).where(col(ApiToken.id).in_(ids)).values(revoked=True))
+        session.execute(delete(WebSession).where(col(WebSession.token_id).in_(ids)))
+        session.execute(delete(LoginLink).where(col(LoginLink.token_id).in_(ids)))
+        audit(session, actor, "token.revoke", name)
+    return len(ids)
+
+
+def create_login_link(engine: Engine, name: str, actor: str = "cli") -> str:
+    """A one-time code (single use, :data:`LINK_LIFETIME`) that logs a browser in as token ``name``."""
+    with session_scope(engine) as session:
+        token = session.scalars(
+            select(ApiToken).where(col(ApiToken.name) == name, col(ApiToken.revoked).is_(False))
+        ).first()
+        if not usable(token):
+            raise TokenError(f"no live token named {name!r} (`collage token list` shows them)")
+        assert token is not None and token.id is not None
+        code = secrets.token_urlsafe(32)
+        session.add(LoginLink(code_hash=hash_secret(code), token_id=token.id, expires_at=utcnow() + LINK_LIFETIME))
+        audit(session, actor, "token.link", name)
+    return code
+
+
+def consume_login_link(engine: Engine, code: str) -> ApiToken | None:
+    """The token a login code stands for, once: a used, expired or unknown code gives ``None``."""
+    now = utcnow()
+    with session_scope(engine) as session:
+        digest = hash_secret(code)
+        link = session.get(LoginLink, digest)
+        if link is None or link.used_at is not None or _aware(link.expires_at) <= now:  # type: ignore[operator]
+            return None
+        # conditional: of two browsers racing for one link, exactly one wins
+        won = changed_rows(
+            session,
+            update(LoginLink)
+            .where(col(LoginLink.code_hash) == digest, col(LoginLink.used_at).is_(None))
+            .values(used_at=now),
+        )
+        if not won:
+            return None
+        token = session.get(ApiToken, link.token_id)
+    return token if usable(token) else None

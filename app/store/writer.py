@@ -7,22 +7,27 @@ once and replaces what an earlier delivery of the same step wrote, so retries ne
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlmodel import Session, col
 
 from collage.app.models import table_of
+from collage.training.errors import CollageError
 
 from ..db import session_scope
 from ..models import (
     ENDED,
+    ApiToken,
     Checkpoint,
     Event,
     Image,
@@ -37,9 +42,16 @@ from ..models import (
 )  # fmt: skip
 from . import rollups
 from .images import image_info, write_image
-from .sql import dialect_insert
+from .sql import changed_rows, dialect_insert
+from .tokens import audit
 
-NULL_REWARD = -1e300  # reward_sort of unscorable rows: below any real reward
+log = logging.getLogger("collage.store")
+T = TypeVar("T")
+
+NULL_REWARD = -1e300
+_KEEP = (
+    object()
+)  # transition(): leave the run's error as it is  # reward_sort of unscorable rows: below any real reward
 
 
 def new_run_id() -> str:
@@ -92,13 +104,84 @@ def prompt_text(prompt: Any) -> str:
     return " ".join(parts)
 
 
+class StaleAttempt(CollageError):
+    """A training process's attempt is no longer the run's current one (the run was reaped, resumed or
+    deleted meanwhile): it must stop writing and exit."""
+
+
+# errors a dropped or restarted database connection raises; every write is idempotent, so it is retried
+TRANSIENT = (OperationalError, InterfaceError, DisconnectionError)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(exc, TRANSIENT)
+
+
 class StoreWriter:
-    def __init__(self, engine: Engine, artifacts: Path):
+    """Every write is one transaction, retried with back-off when the database connection drops (for
+    ``retry_for`` seconds). ``for_attempt`` gives a writer whose every transaction first checks (and locks)
+    that the run is still active under that attempt, or raises :class:`StaleAttempt` and writes nothing."""
+
+    def __init__(self, engine: Engine, artifacts: Path, retry_for: float = 30.0):
         self.engine = engine
         self.artifacts = Path(artifacts)
+        self.retry_for = retry_for
+        self.run_id: str | None = None
+        self.attempt: int | None = None
+
+    def for_attempt(self, run_id: str, attempt: int) -> StoreWriter:
+        guarded = StoreWriter(self.engine, self.artifacts, self.retry_for)
+        guarded.run_id, guarded.attempt = run_id, attempt
+        return guarded
+
+    def _guard(self, session: Session, **values: Any) -> None:
+        if self.attempt is None:
+            return
+        # the conditional UPDATE also takes the run's row lock: a concurrent reap or resume waits for this
+        # transaction, or this transaction sees it and writes nothing
+        alive = changed_rows(
+            session,
+            update(Run)
+            .where(
+                col(Run.id) == self.run_id,
+                col(Run.attempt) == self.attempt,
+                col(Run.status).in_([RunStatus.RUNNING, RunStatus.CANCELLING]),
+            )
+            .values(updated_at=utcnow(), **values),
+        )
+        if not alive:
+            raise StaleAttempt(f"run {self.run_id}: attempt {self.attempt} is no longer current")
+
+    def _write(self, work: Callable[[Session], T], **guard_values: Any) -> T:
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.05
+        while True:
+            try:
+                with session_scope(self.engine) as session:
+                    self._guard(session, **guard_values)
+                    return work(session)
+            except StaleAttempt:
+                raise
+            except Exception as exc:  # only a dropped connection is retried; anything else is re-raised
+                if not _is_transient(exc) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("store write failed (%s): retrying in %.2fs", type(exc).__name__, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _unguarded(self) -> StoreWriter:
+        return StoreWriter(self.engine, self.artifacts, self.retry_for)
 
     # ----------------------------------------------------------------- runs
-    def create_run(self, config: Mapping[str, Any], parent_id: str | None = None, run_id: str | None = None) -> Run:
+    def create_run(
+        self,
+        config: Mapping[str, Any],
+        parent_id: str | None = None,
+        run_id: str | None = None,
+        created_by: ApiToken | None = None,
+    ) -> Run:
         run = Run(
             id=run_id or new_run_id(),
             name=config["name"],
@@ -110,49 +193,73 @@ class StoreWriter:
             model_path=config["model"]["path"],
             dataset_source=config["dataset"]["source"],
             parent_id=parent_id,
+            created_by=created_by.id if created_by is not None else None,
         )
+        actor = created_by.name if created_by is not None else None
         with session_scope(self.engine) as session:
             session.add(run)
             session.flush()
             for tag in dict.fromkeys(config.get("tags") or []):
                 session.add(RunTag(run_id=run.id, tag=tag))
-            session.add(Event(run_id=run.id, level="info", message="queued"))
+            session.add(Event(run_id=run.id, level="info", message="queued", actor=actor))
         return run
 
-    def set_status(
+    def transition(
         self,
         run_id: str,
-        status: RunStatus,
-        error: str | None = None,
-        worker: str | None = None,
+        from_states: Iterable[RunStatus],
+        to: RunStatus,
+        *,
+        when_attempt: int | None = None,
+        error: str | None | object = _KEEP,
         message: str | None = None,
-    ) -> None:
+        actor: str | None = None,
+        where: Sequence[Any] = (),
+        **values: Any,
+    ) -> bool:
+        """The one way a run's status changes: ``from_states`` -> ``to`` in one conditional UPDATE (only if the
+        run is in one of ``from_states``, under attempt ``when_attempt`` when given, and matches ``where``), with
+        its event.
+        Returns whether this call made the change; a caller that lost a race gets ``False`` and writes nothing.
+        """
         now = utcnow()
-        values: dict[str, Any] = {"status": status, "updated_at": now}
-        if status == RunStatus.RUNNING:
-            values["started_at"] = now
-            values["heartbeat_at"] = now
-        if status in ENDED:
-            values["finished_at"] = now
-        if error is not None:
-            values["error"] = error
-        with session_scope(self.engine) as session:
-            session.execute(update(Run).where(col(Run.id) == run_id).values(**values))
-            level = "error" if status == RunStatus.FAILED else "info"
-            session.add(Event(run_id=run_id, level=level, message=message or f"status: {status}"))
+        changes: dict[str, Any] = {"status": to, "updated_at": now, **values}
+        if to == RunStatus.RUNNING:
+            changes.setdefault("started_at", now)
+            changes.setdefault("heartbeat_at", now)
+        if to in ENDED:
+            changes["finished_at"] = now
+        if error is not _KEEP:
+            changes["error"] = error  # None clears it (a resumed run)
+        conditions = [col(Run.id) == run_id, col(Run.status).in_(list(from_states)), *where]
+        if when_attempt is not None:
+            conditions.append(col(Run.attempt) == when_attempt)
+
+        def write(session: Session) -> bool:
+            if changed_rows(session, update(Run).where(*conditions).values(**changes)) != 1:
+                return False
+            level = "error" if to == RunStatus.FAILED else "info"
+            session.add(Event(run_id=run_id, level=level, message=message or f"status: {to}", actor=actor))
+            return True
+
+        return self._unguarded()._write(write)
 
     def set_progress(self, run_id: str, step: int) -> None:
         """The training process reached ``step`` (a beat of its heartbeat too)."""
         now = utcnow()
-        with session_scope(self.engine) as session:
+
+        def write(session: Session) -> None:
             session.execute(
                 update(Run).where(col(Run.id) == run_id).values(step=step, updated_at=now, heartbeat_at=now)
             )
 
+        self._write(write)
+
     def begin_attempt(self, run_id: str, resumed_from_step: int, max_steps: int) -> None:
         """A training process starts (or resumes) the run at ``resumed_from_step``: whatever an earlier attempt
         wrote after that step is removed, so this attempt rewrites it (metrics, rollups, rows, checkpoints)."""
-        with session_scope(self.engine) as session:
+
+        def write(session: Session) -> None:
             ids = select(col(Sample.id)).where(col(Sample.run_id) == run_id, col(Sample.step) > resumed_from_step)
             session.execute(delete(SampleImage).where(col(SampleImage.sample_id).in_(ids)))
             session.execute(delete(Sample).where(col(Sample.run_id) == run_id, col(Sample.step) > resumed_from_step))
@@ -164,21 +271,50 @@ class StoreWriter:
                 update(Run).where(col(Run.id) == run_id).values(step=resumed_from_step, max_steps=max_steps)
             )
 
+        self._write(write)
+
+    def run_state(self, run_id: str) -> tuple[str, int] | None:
+        """The run's (status, attempt) now; ``None``: the run was deleted. Retried like a write."""
+
+        def read(session: Session) -> tuple[str, int] | None:
+            row = session.execute(select(col(Run.status), col(Run.attempt)).where(col(Run.id) == run_id)).one_or_none()
+            return (row[0], row[1]) if row is not None else None
+
+        return self._unguarded()._write(read)
+
     def run_status(self, run_id: str) -> str | None:
         """The run's status now (``None``: the run was deleted)."""
-        with Session(self.engine) as session:
-            return session.execute(select(col(Run.status)).where(col(Run.id) == run_id)).scalar_one_or_none()
+        state = self.run_state(run_id)
+        return state[0] if state is not None else None
+
+    def latest_checkpoint(self, run_id: str) -> str | None:
+        """The path of the run's newest checkpoint written by a then-current attempt."""
+
+        def read(session: Session) -> str | None:
+            return session.scalars(
+                select(col(Checkpoint.path))
+                .where(col(Checkpoint.run_id) == run_id)
+                .order_by(col(Checkpoint.step).desc())
+            ).first()
+
+        return self._unguarded()._write(read)
 
     def heartbeat(self, run_id: str) -> None:
-        with session_scope(self.engine) as session:
-            session.execute(update(Run).where(col(Run.id) == run_id).values(heartbeat_at=utcnow()))
+        if self.attempt is not None:
+            self._write(lambda session: None, heartbeat_at=utcnow())  # the guard's UPDATE is the beat
+            return
+        self._write(
+            lambda session: session.execute(update(Run).where(col(Run.id) == run_id).values(heartbeat_at=utcnow()))
+        )
 
     # --------------------------------------------------------------- events
-    def add_event(self, run_id: str, level: str, message: str) -> None:
-        with session_scope(self.engine) as session:
-            session.add(Event(run_id=run_id, level=level, message=message))
+    def add_event(self, run_id: str, level: str, message: str, actor: str | None = None) -> None:
+        def write(session: Session) -> None:
+            session.add(Event(run_id=run_id, level=level, message=message, actor=actor))
             if level == "warning":
                 session.execute(update(Run).where(col(Run.id) == run_id).values(warning_count=Run.warning_count + 1))
+
+        self._write(write)
 
     # -------------------------------------------------------------- metrics
     def append_metrics(self, run_id: str, step: int, metrics: Mapping[str, Any]) -> None:
@@ -187,7 +323,8 @@ class StoreWriter:
         if not values:
             return
         rows = [{"run_id": run_id, "key": k, "step": step, "value": v} for k, v in values.items()]
-        with session_scope(self.engine) as session:
+
+        def write(session: Session) -> None:
             before = dict(
                 session.execute(
                     select(col(Metric.key), col(Metric.value)).where(
@@ -205,6 +342,8 @@ class StoreWriter:
             fresh = {k: v for k, v in values.items() if k not in before and v is not None}
             rollups.add_points(session, run_id, step, fresh)
             rollups.recompute(session, run_id, changed, [step])
+
+        self._write(write)
 
     # -------------------------------------------------------------- samples
     def append_samples(self, run_id: str, step: int, rows: Iterable[Any]) -> int:
@@ -252,7 +391,8 @@ class StoreWriter:
                     "dataset_row": getattr(row, "dataset_row", getattr(row, "row", None)),
                 }
             )
-        with session_scope(self.engine) as session:
+
+        def write(session: Session) -> None:
             if image_rows:
                 stmt = dialect_insert(session, table_of(Image)).on_conflict_do_nothing(index_elements=["sha256"])
                 session.execute(stmt, image_rows)
@@ -270,22 +410,31 @@ class StoreWriter:
                 ]
                 if links:
                     session.execute(insert(table_of(SampleImage)), links)
+
+        self._write(write)
         return len(sample_rows)
 
     # ---------------------------------------------------------- checkpoints
     def add_checkpoint(self, run_id: str, step: int, path: str) -> None:
-        with session_scope(self.engine) as session:
+        def write(session: Session) -> None:
             stmt = dialect_insert(session, table_of(Checkpoint)).on_conflict_do_update(
                 index_elements=["run_id", "step"], set_={"path": path}
             )
             session.execute(stmt, [{"run_id": run_id, "step": step, "path": path, "created_at": utcnow()}])
 
-    def delete_run(self, run_id: str) -> None:
-        with session_scope(self.engine) as session:
+        self._write(write)
+
+    def delete_run(self, run_id: str, actor: str | None = None) -> None:
+        def write(session: Session) -> None:
             # children first: SQLite enforces the cascades, but deleting explicitly keeps it one fast statement each
             sample_ids = select(col(Sample.id)).where(col(Sample.run_id) == run_id)
             session.execute(delete(SampleImage).where(col(SampleImage.sample_id).in_(sample_ids)))
             for table in (Sample, Metric, MetricRollup, Event, Checkpoint, RunTag):
                 session.execute(delete(table).where(col(table.run_id) == run_id))
             session.execute(update(Run).where(col(Run.parent_id) == run_id).values(parent_id=None))
+            name = session.scalars(select(col(Run.name)).where(col(Run.id) == run_id)).first()
             session.execute(delete(Run).where(col(Run.id) == run_id))
+            if actor is not None:
+                audit(session, actor, "run.delete", run_id, name)
+
+        self._unguarded()._write(write)

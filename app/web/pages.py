@@ -14,9 +14,9 @@ from fastapi.templating import Jinja2Templates
 from sqlmodel import Session
 
 from ..models import ApiToken, Run
-from ..store.tokens import verify_token
+from ..store.tokens import consume_login_link, verify_token
 from .fields import form_fields
-from .session import CSRF_FIELD, csrf_ok, csrf_token, logged_in_token_id
+from .session import CSRF_FIELD, csrf_ok, csrf_token, current_session, end_session, finish_page, start_session
 
 
 def _templates_dir() -> Path:
@@ -31,17 +31,15 @@ router = APIRouter(include_in_schema=False)
 
 
 def _user(request: Request) -> ApiToken | None:
-    token_id = logged_in_token_id(request)
-    if token_id is None:
-        return None
-    with Session(request.app.state.engine) as session:
-        token = session.get(ApiToken, token_id)
-    return token if token is not None and not token.revoked else None
+    live = current_session(request)
+    return live[1] if live is not None else None
 
 
 def _render(request: Request, template: str, status: int = 200, **context) -> HTMLResponse:
     context.update(request=request, csrf=csrf_token(request), user=_user(request))
-    return TEMPLATES.TemplateResponse(request, template, context, status_code=status)
+    response = TEMPLATES.TemplateResponse(request, template, context, status_code=status)
+    finish_page(request, response)
+    return response
 
 
 def _login_redirect(request: Request) -> RedirectResponse:
@@ -55,14 +53,8 @@ def _safe_next(value: str | None) -> str:
 
 
 @router.get("/login")
-def login_page(request: Request, token: str | None = None, next: str | None = None) -> Response:
-    if token:  # the login link `collage serve` prints
-        found = verify_token(request.app.state.engine, token)
-        if found is None:
-            return _render(request, "login.html", 401, error="That login link's token is not valid.", next=next)
-        request.session.clear()
-        request.session["token_id"] = found.id
-        return RedirectResponse(_safe_next(next), status_code=303)
+def login_page(request: Request, next: str | None = None) -> Response:
+    # an API token in the URL (``?token=``) no longer logs in: URLs end up in logs, history and Referer headers
     return _render(request, "login.html", error=None, next=next)
 
 
@@ -78,17 +70,44 @@ def login(
     found = verify_token(request.app.state.engine, token.strip()) if token.strip() else None
     if found is None:
         return _render(request, "login.html", 401, error="That API token is not valid.", next=next)
-    request.session.clear()
-    request.session["token_id"] = found.id
-    return RedirectResponse(_safe_next(next), status_code=303)
+    response = RedirectResponse(_safe_next(next), status_code=303)
+    start_session(request, response, found)
+    return response
+
+
+@router.get("/login/link/{code}")
+def login_link_page(request: Request, code: str) -> Response:
+    """A one-time login link opens a page with one button: the link is spent by the POST, so a link preview
+    (chat apps, mail scanners) fetching the URL does not use it up."""
+    return _render(request, "login_link.html", error=None, code=code)
+
+
+@router.post("/login/link/{code}")
+def login_link(request: Request, code: str, csrf_token_field: Annotated[str, Form(alias=CSRF_FIELD)] = "") -> Response:
+    if not csrf_ok(request, csrf_token_field):
+        return _render(request, "login_link.html", 403, error="The form expired: please try again.", code=code)
+    found = consume_login_link(request.app.state.engine, code) if len(code) <= 100 else None
+    if found is None:
+        return _render(
+            request,
+            "login_link.html",
+            401,
+            error="This login link was already used, has expired, or its token was revoked. Ask for a new one "
+            "(`collage token link NAME`) or log in with an API token.",
+            code=None,
+        )
+    response = RedirectResponse("/runs", status_code=303)
+    start_session(request, response, found)
+    return response
 
 
 @router.post("/logout")
 def logout(request: Request, csrf_token_field: Annotated[str, Form(alias=CSRF_FIELD)] = "") -> Response:
     if not csrf_ok(request, csrf_token_field):
         return Response("CSRF check failed", status_code=403)
-    request.session.clear()
-    return RedirectResponse("/login", status_code=303)
+    response = RedirectResponse("/login", status_code=303)
+    end_session(request, response)  # the session row is deleted: the old cookie is worthless from now on
+    return response
 
 
 @router.get("/")

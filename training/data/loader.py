@@ -83,6 +83,8 @@ def load_dataset(source: str, split: str = "train", **synth_options: Any) -> Loa
 
 
 def _read_folder(folder: Path, split: str) -> list[RawRow]:
+    if Path(split).name != split or split in (".", ".."):  # <split>.jsonl must stay inside the folder
+        raise DatasetError(f"split {split!r} is a name like train, not a path")
     candidates = [folder / f"{split}.jsonl", folder / f"{split}.parquet"]
     for file in candidates:
         if file.is_file():

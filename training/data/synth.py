@@ -18,8 +18,10 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,9 +233,17 @@ def write_synth(
     return file
 
 
+def _cache_name(task: str, rows: int, min_images: int, max_images: int, seed: int) -> str:
+    return f"synth-{task}-r{rows}-i{min_images}-{max_images}-s{seed}"
+
+
+# ``<finished name>.<mkdtemp's 8 random characters>``: what cached_synth_dataset writes before its rename
+_TEMP_FOLDER = re.compile(r"^synth-[a-z0-9-]+-r\d+-i\d+-\d+-s-?\d+\.[a-z0-9_]{8}$")
+
+
 def cached_synth_dataset(task: str, rows: int = 256, min_images: int = 0, max_images: int = 3, seed: int = 0) -> Path:
     """The folder of a synthetic dataset under ``COLLAGE_HOME``, written once (atomically) on first use."""
-    folder = cache_dir("datasets") / f"synth-{task}-r{rows}-i{min_images}-{max_images}-s{seed}"
+    folder = cache_dir("datasets") / _cache_name(task, rows, min_images, max_images, seed)
     if (folder / "train.jsonl").is_file():
         return folder
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
@@ -247,3 +257,24 @@ def cached_synth_dataset(task: str, rows: int = 256, min_images: int = 0, max_im
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def clean_stale_temp_folders(max_age_seconds: float = 3600, root: Path | None = None) -> int:
+    """Remove the temporary folders a crashed :func:`cached_synth_dataset` left in the dataset cache (``root``,
+    default ``COLLAGE_HOME/cache/datasets``); returns how many. Only folders named like its temporary folders
+    and untouched for ``max_age_seconds`` go: a finished dataset never matches the name, and a folder another
+    process is still writing has fresh files (its ``images/`` folder changes with every image)."""
+    root = cache_dir("datasets") if root is None else root
+    now, removed = time.time(), 0
+    for entry in root.iterdir() if root.is_dir() else []:
+        if not _TEMP_FOLDER.match(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            touched = max(p.stat().st_mtime for p in [entry, *entry.iterdir()])
+        except OSError:  # renamed or removed meanwhile by its writer or another cleaner
+            continue
+        if now - touched >= max_age_seconds:
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                removed += 1
+    return removed

@@ -2,6 +2,10 @@
 
 A reward is a built-in name, an import path ``package.module:function`` (sync or ``async def``), or the path
 of a text reward model (a sequence-classification checkpoint). ``None`` means "not applicable".
+
+A run config from an API client names code that runs on a worker, so :func:`resolve_reward` takes the operator's
+allowlist (``reward_modules``): an import path then resolves only to a plain function defined inside an
+allowlisted module (docs/security.md). ``None`` trusts every name, as local ``collage train`` does.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import asyncio
 import importlib
 import inspect
 import math
+import re
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,16 +58,79 @@ def reward_docs() -> dict[str, str]:
     return {name: inspect.getdoc(fn) or "" for name, fn in BUILTINS.items()}
 
 
-def _looks_like_checkpoint(name: str) -> bool:
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+# Never reward modules, whatever the allowlist says: the standard library and the packages Collage itself runs on,
+# whose functions write files, run commands, migrate databases or unpickle (alembic.config:main, os:system, ...).
+DENIED_MODULES = frozenset(sys.stdlib_module_names) | {
+    "collage", "alembic", "celery", "kombu", "billiard", "uvicorn", "gunicorn", "fastapi", "starlette", "sqlalchemy",
+    "sqlmodel", "psycopg", "psycopg2", "redis", "pip", "setuptools", "pkg_resources", "torch", "transformers",
+    "accelerate", "peft", "datasets", "huggingface_hub", "numpy", "PIL", "yaml", "pydantic", "jinja2",
+}  # fmt: skip
+HOW_TO_ALLOW = (
+    "the operator allows the functions of a module (and of its submodules) as rewards by listing it in "
+    "COLLAGE_REWARD_MODULES (comma-separated) on the server and on every worker"
+)
+
+
+def module_allowed(module: str, allowed: Sequence[str]) -> bool:
+    """Whether ``module`` is an allowlisted module or one of its submodules (denied modules never are)."""
+    if module.split(".")[0] in DENIED_MODULES:
+        return False
+    return any(module == entry or module.startswith(entry + ".") for entry in allowed)
+
+
+def import_path_error(name: str, allowed: Sequence[str]) -> str | None:
+    """Why the import path ``module:function`` may not be imported under the allowlist ``allowed``, or None.
+
+    Decided on the name alone, before anything is imported (the API's check at submit, the worker's before import).
+    """
+    if not IMPORT_PATH.match(name):
+        return "an import path is 'package.module:function'"
+    module, _, attr = name.partition(":")
+    if module.split(".")[0] in DENIED_MODULES:
+        return f"module {module!r} never provides rewards (the standard library and Collage's own stack are refused)"
+    if attr.startswith("_") or any(part.startswith("_") for part in module.split(".")):
+        return "private names (starting with _) are not rewards"
+    if not module_allowed(module, allowed):
+        return f"module {module!r} is not allowlisted for rewards: {HOW_TO_ALLOW}"
+    return None
+
+
+def reward_function_error(fn: object, allowed: Sequence[str]) -> str | None:
+    """Why an imported object is not a reward under the allowlist: it must be a plain (sync or async) function
+    defined in an allowlisted module, not a class, builtin, module or a callable another module re-exports."""
+    if not inspect.isfunction(fn):
+        return f"it is a {type(fn).__name__}, not a function"
+    if not module_allowed(fn.__module__ or "", allowed):
+        return f"it is defined in {fn.__module__!r}, outside the allowlisted modules"
+    return None
+
+
+def _looks_like_checkpoint(name: str, trusted: bool = True) -> bool:
+    if not trusted and not name.startswith(("/", "~")):  # untrusted: never a path relative to the working folder
+        return False
     path = Path(name).expanduser()
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def resolve_reward(name: str, weight: float = 1.0, args: dict[str, Any] | None = None, **model_options: Any) -> Reward:
+def resolve_reward(
+    name: str,
+    weight: float = 1.0,
+    args: dict[str, Any] | None = None,
+    *,
+    reward_modules: Sequence[str] | None = None,
+    **model_options: Any,
+) -> Reward:
+    """The reward named ``name``. With ``reward_modules`` (the operator's allowlist; a config from an API client),
+    an import path must pass :func:`import_path_error` before the import and :func:`reward_function_error` after;
+    ``None`` trusts every name (local ``collage train``)."""
     args = dict(args or {})
     if name in BUILTINS:
         return Reward(name, BUILTINS[name], weight, args)
-    if ":" in name and not _looks_like_checkpoint(name):
+    trusted = reward_modules is None
+    if ":" in name and not _looks_like_checkpoint(name, trusted):
+        if reward_modules is not None and (problem := import_path_error(name, reward_modules)) is not None:
+            raise UnknownRewardError(f"reward {name!r}: {problem}")
         module_name, _, attr = name.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -70,8 +139,10 @@ def resolve_reward(name: str, weight: float = 1.0, args: dict[str, Any] | None =
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise UnknownRewardError(f"reward {name!r}: module {module_name!r} has no function {attr!r}")
+        if reward_modules is not None and (problem := reward_function_error(fn, reward_modules)) is not None:
+            raise UnknownRewardError(f"reward {name!r}: {problem}")
         return Reward(attr, fn, weight, args, is_async=inspect.iscoroutinefunction(fn))
-    if _looks_like_checkpoint(name):
+    if _looks_like_checkpoint(name, trusted):
         from .reward_model import TextRewardModel
 
         model = TextRewardModel(name, **model_options)
