@@ -3,6 +3,7 @@ change, attempt-guarded writes, and writes that survive a dropped database conne
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -138,3 +139,38 @@ def test_a_write_is_retried_when_the_connection_drops_mid_transaction(migrated_p
     assert killed == [True]
     with Session(writer.engine) as session:
         assert session.scalars(select(Metric.value).where(Metric.run_id == run_id)).all() == [0.25]
+
+
+def _supervised(writer, monkeypatch, tmp_path, script: str, heartbeat_timeout: float):
+    """Run ``supervise`` on a queued run whose "training process" is ``script`` (Python), with a reaper
+    running beside it as on every worker; returns (final status, run)."""
+    import sys
+
+    from collage.worker import supervisor
+    from collage.worker.reaper import Reaper
+
+    run_id = _run(writer)
+    monkeypatch.setattr(
+        supervisor, "child_command", lambda run, slot: ([sys.executable, "-c", script], dict(os.environ), None)
+    )
+    reaper = Reaper(writer.engine, heartbeat_timeout, every=0.25)
+    reaper.start()
+    try:
+        final = supervisor.supervise(writer, run_id, "w1", supervisor.Slot(gpus=[]), heartbeat_every=0.5, poll=0.1)
+    finally:
+        reaper.stop()
+    with Session(writer.engine) as session:
+        return final, session.get(Run, run_id)
+
+
+def test_the_supervisor_beats_for_a_slow_starting_child(writer, monkeypatch, tmp_path):
+    """A child that takes three heartbeat timeouts to start (imports, model load) is not reaped: the supervisor
+    beats for it until its own heartbeat takes over."""
+    final, run = _supervised(writer, monkeypatch, tmp_path, "import time; time.sleep(5)", heartbeat_timeout=1.5)
+    assert final == "failed" and run.error == "the training process exited with code 0", run.error
+
+
+def test_a_child_that_took_over_and_then_hangs_is_reaped_and_killed(writer, monkeypatch, tmp_path):
+    script = "import os, pathlib, time; pathlib.Path(os.environ['COLLAGE_CHILD_READY_FILE']).touch(); time.sleep(600)"
+    final, run = _supervised(writer, monkeypatch, tmp_path, script, heartbeat_timeout=1.5)
+    assert final == "failed" and "no heartbeat" in run.error

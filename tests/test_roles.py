@@ -255,3 +255,26 @@ def test_cli_tokens_roles_list_revoke_and_links(tmp_path):
     assert cli("token", "list").stdout.splitlines()[-1].split()[-1] == "revoked"
     assert cli("token", "link", "dev").returncode == 2 and "no live token" in cli("token", "link", "dev").stderr
     assert cli("token", "create", "x", "--role", "owner").returncode == 2
+
+
+@pytest.mark.parametrize(
+    "gadget", ["alembic.config:main", "logging:basicConfig", "os:system", "subprocess:run", "builtins:exec"]
+)
+def test_code_gadgets_are_refused_for_every_role(api, gadget):
+    admin, _, dispatcher, app = api
+    member = _member(app, "m-" + gadget.replace(":", "-"))
+    for client in (admin, member):
+        body = config(rewards=[{"name": gadget, "args": {"argv": ["upgrade", "head"], "filename": "/tmp/x"}}])
+        response = client.post(API + "/runs", json=body)
+        assert response.status_code == 422, response.text
+        assert [e["path"] for e in response.json()["detail"]] == ["rewards[0].name"]
+        cloned_from = client.post(API + "/runs", json=config()).json()["id"]
+        clone = client.post(f"{API}/runs/{cloned_from}/clone", json={"overrides": {"rewards": [{"name": gadget}]}})
+        assert clone.status_code == 422 and clone.json()["detail"][0]["path"] == "rewards[0].name"
+    assert all(run_id for run_id, _ in dispatcher.submitted)
+    submitted = {r for r, _ in dispatcher.submitted}
+    with app.state.engine.connect() as connection:
+        from sqlalchemy import text
+
+        stored = connection.execute(text("SELECT config FROM runs")).scalars().all()
+    assert gadget not in " ".join(map(str, stored)) and len(submitted) == len(stored)
