@@ -80,7 +80,9 @@ def make_engine(url: str) -> Engine:
         pool_pre_ping=True,
         pool_size=POOL_SIZE,
         max_overflow=POOL_OVERFLOW,
-        connect_args={"options": "-c plan_cache_mode=force_custom_plan"},
+        # a process frozen inside a transaction (SIGSTOP, a paused VM) must not hold its locks forever: the server
+        # ends such a session after 60 s (Collage's transactions are short bursts, never idle for that long)
+        connect_args={"options": "-c plan_cache_mode=force_custom_plan -c idle_in_transaction_session_timeout=60000"},
     )
 
 

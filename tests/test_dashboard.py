@@ -39,9 +39,11 @@ def server(tmp_path_factory):
     deadline = time.monotonic() + 90
     while True:
         try:
-            if httpx.get(base + API + "/health", timeout=2).json()["workers"]:
+            token = (home / "token").read_text().strip()
+            health = httpx.get(base + API + "/health", timeout=2, headers={"Authorization": f"Bearer {token}"})
+            if health.json()["workers"]:
                 break
-        except (httpx.HTTPError, ValueError, KeyError):
+        except (httpx.HTTPError, ValueError, KeyError, OSError):
             pass
         if time.monotonic() > deadline:
             raise AssertionError(log.read_text()[-3000:])
@@ -97,6 +99,17 @@ SMALL = {
     "dataset.rows": "16",
     "resources.gpus": "0",
 }
+
+
+def wait_js(page, expression: str, timeout: float = 30_000) -> None:
+    """Poll a JavaScript expression until it is true. (Playwright's wait_for_function compiles the expression
+    inside the page, which the dashboard's Content-Security-Policy forbids: no eval. Evaluating from outside,
+    through the DevTools protocol, is not the page's own script.)"""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {expression}")
+        time.sleep(0.1)
 
 
 def small_config(name: str, **train) -> dict:
@@ -176,8 +189,8 @@ def test_launch_from_the_form_watch_it_succeed_and_inspect_rollouts(page, server
     page.click("#launch-btn")
     page.wait_for_url("**/runs/*", timeout=30_000)
     run_id = page.url.rstrip("/").rsplit("/", 1)[1]
-    page.wait_for_function("document.getElementById('status').textContent === 'succeeded'", timeout=180_000)
-    page.wait_for_function("document.querySelectorAll('.chart canvas').length >= 10", timeout=30_000)
+    wait_js(page, "document.getElementById('status').textContent === 'succeeded'", timeout=180_000)
+    wait_js(page, "document.querySelectorAll('.chart canvas').length >= 10", timeout=30_000)
     for metric in (
         "reward",
         "loss",
@@ -188,7 +201,7 @@ def test_launch_from_the_form_watch_it_succeed_and_inspect_rollouts(page, server
         "clip_ratio/region_mean",
     ):
         assert page.locator(f'.chart[data-metric="{metric}"] canvas').count() == 1, metric
-    assert "succeeded at step 4" in page.inner_text("#events")
+    page.wait_for_selector("#events >> text=succeeded at step 4")  # the event list refreshes after the status
     page.screenshot(path=str(SHOTS / "run.png"), full_page=True)
     assert len(server["client"].get("/runs").json()["items"]) == before + 1
 
@@ -196,11 +209,12 @@ def test_launch_from_the_form_watch_it_succeed_and_inspect_rollouts(page, server
     page.wait_for_selector("tr.sample")
     assert page.locator("tr.sample").count() == 4 * 8
     assert page.locator("tr.group").count() == 4 * 2  # one header per prompt group, with mean/std
-    page.wait_for_function("[...document.querySelectorAll('img.thumb')].some(i => i.complete && i.naturalWidth > 0)")
+    wait_js(page, "[...document.querySelectorAll('img.thumb')].some(i => i.complete && i.naturalWidth > 0)")
     page.screenshot(path=str(SHOTS / "rollouts.png"), full_page=True)
     page.select_option('[name="advantage"]', "pos")
-    page.wait_for_function(
-        "document.querySelectorAll('td.adv-neg, td.adv-zero').length === 0 && document.querySelectorAll('tr.sample').length > 0"
+    wait_js(
+        page,
+        "document.querySelectorAll('td.adv-neg, td.adv-zero').length === 0 && document.querySelectorAll('tr.sample').length > 0",
     )
     values = [float(v) for v in page.locator("tr.sample td.adv-pos").all_inner_texts()]
     assert values and all(v > 0 for v in values)
@@ -210,12 +224,13 @@ def test_launch_from_the_form_watch_it_succeed_and_inspect_rollouts(page, server
     assert page.locator("tr.sample").count() == api_count
     page.select_option('[name="advantage"]', "")
     page.fill('[name="min_images"]', "1")
-    page.wait_for_function(
-        "document.querySelectorAll('tr.sample').length > 0 && [...document.querySelectorAll('tr.sample')].every(r => r.querySelectorAll('img.thumb').length >= 1)"
+    wait_js(
+        page,
+        "document.querySelectorAll('tr.sample').length > 0 && [...document.querySelectorAll('tr.sample')].every(r => r.querySelectorAll('img.thumb').length >= 1)",
     )
     page.locator("img.thumb").first.click()
     page.wait_for_selector("#modal:not([hidden]) img.full")
-    page.wait_for_function("document.querySelector('#modal img.full').naturalWidth > 0")
+    wait_js(page, "document.querySelector('#modal img.full').naturalWidth > 0")
     page.screenshot(path=str(SHOTS / "image.png"))
     page.keyboard.press("Escape")
     assert page.is_hidden("#modal")

@@ -128,8 +128,8 @@ def test_a_write_is_retried_when_the_connection_drops_mid_transaction(migrated_p
     killed = []
     real = guarded._guard
 
-    def guard_then_die(session, **values):
-        real(session, **values)
+    def guard_then_die(session, run_id, **values):
+        real(session, run_id, **values)
         if not killed:
             killed.append(True)
             session.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))

@@ -136,11 +136,13 @@ class StoreWriter:
         guarded.run_id, guarded.attempt = run_id, attempt
         return guarded
 
-    def _guard(self, session: Session, **values: Any) -> None:
+    def _guard(self, session: Session, run_id: str | None, **values: Any) -> None:
+        """The transaction's one UPDATE of the run's row, last: the changes to the run (``values``: progress,
+        heartbeat, counters) and, for an attempt writer, the check that the attempt is still current."""
         if self.attempt is None:
+            if values and run_id is not None:
+                session.execute(update(Run).where(col(Run.id) == run_id).values(**values))
             return
-        # the conditional UPDATE also takes the run's row lock: a concurrent reap or resume waits for this
-        # transaction, or this transaction sees it and writes nothing
         alive = changed_rows(
             session,
             update(Run)
@@ -149,19 +151,23 @@ class StoreWriter:
                 col(Run.attempt) == self.attempt,
                 col(Run.status).in_([RunStatus.RUNNING, RunStatus.CANCELLING]),
             )
-            .values(updated_at=utcnow(), **values),
+            .values(**{"updated_at": utcnow(), **values}),
         )
         if not alive:
             raise StaleAttempt(f"run {self.run_id}: attempt {self.attempt} is no longer current")
 
-    def _write(self, work: Callable[[Session], T], **guard_values: Any) -> T:
+    def _write(self, work: Callable[[Session], T], run_id: str | None = None, **run_values: Any) -> T:
         deadline = time.monotonic() + self.retry_for
         delay = 0.05
         while True:
             try:
                 with session_scope(self.engine) as session:
-                    self._guard(session, **guard_values)
-                    return work(session)
+                    result = work(session)
+                    # the guard comes last: it re-reads the run's newest committed row (so a reap or resume that
+                    # committed meanwhile makes this whole transaction roll back) and holds the run's row lock only
+                    # until the commit just after it, so a writer frozen mid-transaction never blocks the reaper
+                    self._guard(session, run_id, **run_values)
+                    return result
             except StaleAttempt:
                 raise
             except Exception as exc:  # only a dropped connection is retried; anything else is re-raised
@@ -247,13 +253,7 @@ class StoreWriter:
     def set_progress(self, run_id: str, step: int) -> None:
         """The training process reached ``step`` (a beat of its heartbeat too)."""
         now = utcnow()
-
-        def write(session: Session) -> None:
-            session.execute(
-                update(Run).where(col(Run.id) == run_id).values(step=step, updated_at=now, heartbeat_at=now)
-            )
-
-        self._write(write)
+        self._write(lambda session: None, run_id, step=step, updated_at=now, heartbeat_at=now)
 
     def begin_attempt(self, run_id: str, resumed_from_step: int, max_steps: int) -> None:
         """A training process starts (or resumes) the run at ``resumed_from_step``: whatever an earlier attempt
@@ -267,11 +267,8 @@ class StoreWriter:
             session.execute(
                 delete(Checkpoint).where(col(Checkpoint.run_id) == run_id, col(Checkpoint.step) > resumed_from_step)
             )
-            session.execute(
-                update(Run).where(col(Run.id) == run_id).values(step=resumed_from_step, max_steps=max_steps)
-            )
 
-        self._write(write)
+        self._write(write, run_id, step=resumed_from_step, max_steps=max_steps)
 
     def run_state(self, run_id: str) -> tuple[str, int] | None:
         """The run's (status, attempt) now; ``None``: the run was deleted. Retried like a write."""
@@ -300,21 +297,15 @@ class StoreWriter:
         return self._unguarded()._write(read)
 
     def heartbeat(self, run_id: str) -> None:
-        if self.attempt is not None:
-            self._write(lambda session: None, heartbeat_at=utcnow())  # the guard's UPDATE is the beat
-            return
-        self._write(
-            lambda session: session.execute(update(Run).where(col(Run.id) == run_id).values(heartbeat_at=utcnow()))
-        )
+        self._write(lambda session: None, run_id, heartbeat_at=utcnow())
 
     # --------------------------------------------------------------- events
     def add_event(self, run_id: str, level: str, message: str, actor: str | None = None) -> None:
         def write(session: Session) -> None:
             session.add(Event(run_id=run_id, level=level, message=message, actor=actor))
-            if level == "warning":
-                session.execute(update(Run).where(col(Run.id) == run_id).values(warning_count=Run.warning_count + 1))
 
-        self._write(write)
+        counted = {"warning_count": Run.warning_count + 1} if level == "warning" else {}
+        self._write(write, run_id, **counted)
 
     # -------------------------------------------------------------- metrics
     def append_metrics(self, run_id: str, step: int, metrics: Mapping[str, Any]) -> None:
