@@ -53,6 +53,7 @@ class RunOut(BaseModel):
     attempt: int
     worker: str | None
     parent_id: str | None
+    created_by: str | None = Field(None, description="the name of the API token that created the run")
     latest_reward: float | None = None
     url: str
     config: dict[str, Any] | None = None

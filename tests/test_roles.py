@@ -35,7 +35,8 @@ def test_members_change_only_their_own_runs_admins_any(api):
     mallory, alice = _member(app, "mallory"), _member(app, "alice")
     theirs = alice.post(API + "/runs", json=config()).json()["id"]
     mine = mallory.post(API + "/runs", json=config()).json()["id"]
-    assert mallory.get(f"{API}/runs/{theirs}").status_code == 200  # members read every run
+    assert mallory.get(f"{API}/runs/{theirs}").json()["created_by"] == "alice"  # members read every run
+    assert {r["id"]: r["created_by"] for r in mallory.get(API + "/runs").json()["items"]}[mine] == "mallory"
     for method, path in [("POST", "cancel"), ("POST", "resume"), ("DELETE", "")]:
         response = mallory.request(method, f"{API}/runs/{theirs}" + (f"/{path}" if path else ""))
         assert response.status_code == 403, (method, path, response.text)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from fastapi import HTTPException, Request
-from sqlmodel import Session
+from sqlalchemy import select
+from sqlmodel import Session, col
 
-from ..models import Run, Sample
+from ..models import ApiToken, Run, Sample
 from ..schemas import ImageRef, Progress, RunOut, SampleOut
 
 API = "/api/v1"
@@ -39,7 +40,21 @@ def image_ref(sha: str, width: int, height: int) -> ImageRef:
     )
 
 
-def run_out(run: Run, tags: list[str], latest_reward: float | None = None, with_config: bool = False) -> RunOut:
+def creator_names(session: Session, runs: Sequence[Run]) -> dict[int, str]:
+    """Token id -> name for the runs' creators (tokens are revoked, never deleted, so the name stays)."""
+    ids = {r.created_by for r in runs if r.created_by is not None}
+    if not ids:
+        return {}
+    return dict(session.execute(select(col(ApiToken.id), col(ApiToken.name)).where(col(ApiToken.id).in_(ids))).all())
+
+
+def run_out(
+    run: Run,
+    tags: list[str],
+    latest_reward: float | None = None,
+    with_config: bool = False,
+    creators: dict[int, str] | None = None,
+) -> RunOut:
     return RunOut(
         id=run.id,
         name=run.name,
@@ -59,6 +74,7 @@ def run_out(run: Run, tags: list[str], latest_reward: float | None = None, with_
         attempt=run.attempt,
         worker=run.worker,
         parent_id=run.parent_id,
+        created_by=(creators or {}).get(run.created_by) if run.created_by is not None else None,
         latest_reward=latest_reward,
         url=run_url(run.id),
         config=run.config if with_config else None,

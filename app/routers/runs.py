@@ -23,7 +23,7 @@ from ..status import RunStatus
 from ..store import queries
 from ..store.tokens import audit
 from ..validation import semantic_errors
-from .common import get_run_or_404, get_session, run_out, run_url
+from .common import creator_names, get_run_or_404, get_session, run_out, run_url
 
 log = logging.getLogger("collage.api")
 
@@ -109,7 +109,9 @@ def list_runs(
     ids = [r.id for r in runs]
     tags = queries.run_tags(session, ids)
     rewards = queries.latest_metric(session, ids, "reward")
-    return RunPage(items=[run_out(r, tags[r.id], rewards.get(r.id)) for r in runs], next_cursor=next_cursor)
+    creators = creator_names(session, runs)
+    items = [run_out(r, tags[r.id], rewards.get(r.id), creators=creators) for r in runs]
+    return RunPage(items=items, next_cursor=next_cursor)
 
 
 @router.get("/runs/{run_id}", response_model=RunOut, responses=NOT_FOUND)
@@ -117,7 +119,7 @@ def get_run(run_id: str, session: Annotated[Session, Depends(get_session)]) -> R
     run = get_run_or_404(session, run_id)
     tags = queries.run_tags(session, [run.id])[run.id]
     reward = queries.latest_metric(session, [run.id], "reward").get(run.id)
-    return run_out(run, tags, reward, with_config=True)
+    return run_out(run, tags, reward, with_config=True, creators=creator_names(session, [run]))
 
 
 @router.post("/runs/{run_id}/cancel", response_model=RunOut, responses={**NOT_FOUND, **CONFLICT, **FORBIDDEN})
