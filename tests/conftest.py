@@ -54,6 +54,35 @@ def count_red_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def varied_dir(tmp_path_factory):
+    """Rows with 0..5 images each, of different sizes and aspect ratios (small ones, and ones large enough that
+    tiling processors split them into several crops and anyres ones pick different patch grids)."""
+    import json
+    import random
+
+    from PIL import Image, ImageDraw
+
+    out = tmp_path_factory.mktemp("varied")
+    (out / "images").mkdir()
+    rng = random.Random(11)
+    rows = []
+    for row, count in enumerate([0, 1, 5, 2, 0, 3, 4, 1, 2, 0, 5, 3]):
+        content, names = [], []
+        for k in range(count):
+            size = (rng.randint(24, 160), rng.randint(24, 160))
+            image = Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
+            ImageDraw.Draw(image).ellipse([2, 2, size[0] // 2, size[1] // 2], fill=(255, 0, 0))
+            name = f"images/r{row}-{k}.png"
+            image.save(out / name)
+            names.append(name)
+            content += [{"type": "text", "text": f"Image {k + 1}: "}, {"type": "image"}, {"type": "text", "text": "\n"}]
+        content.append({"type": "text", "text": "How many images show a red shape? Answer with a number."})
+        rows.append({"prompt": [{"role": "user", "content": content}], "answer": str(count), "images": names})
+    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
 __all__ = ["FAMILIES", "TINY_FAMILIES"]
 
 

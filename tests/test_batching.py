@@ -13,6 +13,7 @@ from collage.training.batching.inputs import (
     collate,
     completion_logprobs,
     generation_kwargs,
+    image_span_mask,
     truncate_text_only,
 )
 from collage.training.data.loader import load_dataset
@@ -36,11 +37,17 @@ def _random_completions(n, vocab, seed):
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_logprobs_in_a_shuffled_mixed_batch_equal_each_sample_alone(tiny, family, count_red_dir):
-    model, processor, fam, samples, encoder, image_id = _setup(tiny, family, count_red_dir)
+def test_logprobs_in_a_shuffled_mixed_batch_equal_each_sample_alone(tiny, family, varied_dir):
+    """Rows of 0..5 images of different sizes, with the family's real processor defaults (tiles for
+    Idefics3/SmolVLM, variable patch grids for anyres): a row's log-probs inside a shuffled batch and inside
+    micro-batches cut from it equal the row alone."""
+    model, processor, fam, samples, encoder, image_id = _setup(tiny, family, varied_dir)
     counts = [s.num_images for s in samples]
-    assert 0 in counts and max(counts) >= 2, "the fixture must mix text-only and multi-image rows"
+    assert 0 in counts and max(counts) == 5, "the fixture must mix text-only and many-image rows"
     prompts = [encoder.encode(s) for s in samples]
+    if fam.layout == "batch_padded":
+        # the real processor splits large images into crops + a global view: more tiles than images
+        assert any(p.pixels["pixel_values"].shape[0] > p.num_images for p in prompts if p.num_images)
     completions = _random_completions(len(prompts), len(processor.tokenizer), seed=1)
     pad = processor.tokenizer.pad_token_id
     batch = collate(prompts, fam, pad, completions)
@@ -108,8 +115,8 @@ def test_micro_batch_without_images_gets_no_pixel_inputs(tiny, family, count_red
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_truncation_keeps_every_image_token_and_the_model_runs(tiny, family, count_red_dir):
-    model, processor, fam, samples, _, image_id = _setup(tiny, family, count_red_dir)
+def test_truncation_keeps_every_image_token_and_the_model_runs(tiny, family, varied_dir):
+    model, processor, fam, samples, _, image_id = _setup(tiny, family, varied_dir)
     sample = max(samples, key=lambda s: s.num_images)
     sample.prompt[0]["content"].insert(0, {"type": "text", "text": "please look carefully at every image " * 20})
     full = PromptEncoder(processor, fam).encode(sample)
@@ -118,8 +125,14 @@ def test_truncation_keeps_every_image_token_and_the_model_runs(tiny, family, cou
     cut = PromptEncoder(processor, fam, max_prompt_length=limit).encode(sample)
     assert len(cut.input_ids) == limit
     assert cut.truncated_tokens == len(full.input_ids) - limit
-    protected = PromptEncoder(processor, fam).protected
-    assert [t for t in cut.input_ids if t in protected] == [t for t in full.input_ids if t in protected]
+    encoder = PromptEncoder(processor, fam)
+
+    def spans(ids):  # every token of every image span (tile-row separators included), in order
+        return [
+            t for t, keep in zip(ids, image_span_mask(ids, encoder.protected, encoder.separators), strict=True) if keep
+        ]
+
+    assert spans(cut.input_ids) == spans(full.input_ids) and len(spans(full.input_ids)) == full.num_image_tokens
     # what is kept is the newest text: the tail of the prompt is intact
     assert cut.input_ids[-3:] == full.input_ids[-3:]
     batch = collate(
@@ -143,11 +156,23 @@ def test_images_alone_over_the_limit_name_the_row(tiny, family, count_red_dir):
 
 def test_truncate_text_only_is_pure():
     ids = [1, 2, 9, 9, 3, 9, 4, 5]
-    kept, dropped = truncate_text_only(ids, {9}, 6, row=0)
+    keep = [t == 9 for t in ids]
+    kept, dropped = truncate_text_only(ids, keep, 6, row=0)
     assert kept == [9, 9, 3, 9, 4, 5] and dropped == 2
-    assert truncate_text_only(ids, {9}, 8, row=0) == (ids, 0)
+    assert truncate_text_only(ids, keep, 8, row=0) == (ids, 0)
     with pytest.raises(PromptTooLongError, match="row 3"):
-        truncate_text_only(ids, {9}, 2, row=3)
+        truncate_text_only(ids, keep, 2, row=3)
+
+
+def test_image_spans_include_tile_row_separators_but_not_neighbouring_text():
+    # 7 = an image span token, 0 = "\n": inside a span (between tiles) it belongs to the image; next to text, not
+    ids = [5, 0, 7, 7, 0, 7, 0, 0, 7, 0, 6, 7, 0, 5]
+    assert image_span_mask(ids, {7}, {0}) == [
+        False, False, True, True, True, True, True, True, True, False, False, True, False, False,
+    ]  # fmt: skip
+    # truncation keeps the separators inside the span and drops the oldest text first
+    kept, dropped = truncate_text_only(ids, image_span_mask(ids, {7}, {0}), 9, row=0)
+    assert kept == [7, 7, 0, 7, 0, 0, 7, 7, 5] and dropped == 5
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -33,23 +33,28 @@ def _indexed_sample(n: int, seed: int, patches: bool):
     if n == 0:
         return {}
     g = torch.Generator().manual_seed(seed)
-    if patches:  # LLaVA-NeXT style: a different patch count per sample, padded on join
-        p = int(torch.randint(1, 4, (1,), generator=g))
-        return {
-            "pixel_values": torch.randn(n, p, 3, 4, 4, generator=g),
-            "image_sizes": torch.randint(1, 50, (n, 2), generator=g),
-        }
+    if patches:  # anyres (LLaVA-NeXT/OneVision): a different patch count per image, the processor zero-pads a
+        # sample's images to its largest count and the join pads across samples
+        per_image = [int(torch.randint(1, 5, (1,), generator=g)) for _ in range(n)]
+        values = torch.zeros(n, max(per_image), 3, 4, 4)
+        for i, p in enumerate(per_image):
+            values[i, :p] = torch.randn(p, 3, 4, 4, generator=g)
+        return {"pixel_values": values, "image_sizes": torch.randint(1, 50, (n, 2), generator=g)}
     return {"pixel_values": torch.randn(n, 3, 4, 4, generator=g)}
 
 
 def _padded_sample(n: int, seed: int):
+    """Idefics3/SmolVLM with image splitting: each image is 1..5 tiles (crops + a global view), so a sample
+    holds more entries than images; a tile's mask covers only its valid area (never empty)."""
     if n == 0:
         return {}
     g = torch.Generator().manual_seed(seed)
-    return {
-        "pixel_values": torch.randn(n, 3, 4, 4, generator=g),
-        "pixel_attention_mask": torch.ones(n, 4, 4, dtype=torch.bool),
-    }
+    tiles = sum(int(torch.randint(1, 6, (1,), generator=g)) for _ in range(n))
+    mask = torch.zeros(tiles, 4, 4, dtype=torch.bool)
+    for t in range(tiles):
+        h, w = (int(torch.randint(1, 5, (1,), generator=g)) for _ in range(2))
+        mask[t, :h, :w] = True
+    return {"pixel_values": torch.randn(tiles, 3, 4, 4, generator=g), "pixel_attention_mask": mask}
 
 
 def _make(layout: str, nums: list[int], patches: bool = False):
@@ -108,8 +113,8 @@ def test_slice_equals_join_of_the_slice(nums, layout, data):
     got = slice_pixels(layout, joined, nums, start, end)
     want = join_pixels(layout, per_sample[start:end])
     if layout == BATCH_PADDED and want:
-        # the slice keeps only as many image slots as its own samples need
-        assert got["pixel_values"].shape[1] == max(nums[start:end])
+        # the slice keeps only as many tile slots as its own samples need: their largest tile count
+        assert got["pixel_values"].shape[1] == max(p["pixel_values"].shape[0] for p in per_sample[start:end] if p)
     assert _equal(want, got, layout)
 
 
@@ -142,6 +147,24 @@ def test_worked_example_from_the_docs():
     assert b["pixel_values"][:, 0].tolist() == list(range(400, 464))
     assert a["image_grid_thw"].tolist() == [[1, 16, 24], [1, 4, 4]]
     assert b["image_grid_thw"].tolist() == [[1, 8, 8]]
+
+
+def test_batch_padded_never_cuts_tiles_by_the_image_count():
+    """The Idefics3 bug: 2 images split into 5 + 3 tiles must keep all 8 tiles, not the first 2."""
+    a = {"pixel_values": torch.randn(8, 3, 4, 4), "pixel_attention_mask": torch.ones(8, 4, 4, dtype=torch.bool)}
+    b = {"pixel_values": torch.randn(2, 3, 4, 4), "pixel_attention_mask": torch.ones(2, 4, 4, dtype=torch.bool)}
+    joined = join_pixels(BATCH_PADDED, [a, {}, b])
+    assert joined["pixel_values"].shape[:2] == (3, 8)
+    parts = split_pixels(BATCH_PADDED, joined, [2, 0, 1])
+    assert torch.equal(parts[0]["pixel_values"], a["pixel_values"]) and parts[1] == {}
+    assert torch.equal(parts[2]["pixel_values"], b["pixel_values"])
+    # a count that cannot be right (more images than real tiles) is an error, not a silent cut
+    try:
+        split_pixels(BATCH_PADDED, joined, [2, 0, 3])
+    except ValueError as exc:
+        assert "3 images but 2 real tiles" in str(exc)
+    else:
+        raise AssertionError("more images than tiles must raise")
 
 
 def test_inconsistent_counts_are_errors():

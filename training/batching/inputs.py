@@ -38,16 +38,38 @@ def vision_token_ids(tokenizer: Any, family: Family) -> set[int]:
     return {vocab[t] for t in family.vision_tokens if t in vocab}
 
 
-def truncate_text_only(ids: Sequence[int], protected: set[int], max_length: int, row: int) -> tuple[list[int], int]:
-    """Drop the oldest unprotected tokens until ``ids`` fits ``max_length``; never drop a protected one.
+def image_span_mask(ids: Sequence[int], vision: set[int], separators: set[int]) -> list[bool]:
+    """Which positions belong to an image's span: every vision token, and every separator token (the ``\n``
+    between an Idefics3/SmolVLM image's tile rows) that lies between two vision tokens with nothing but
+    vision and separator tokens around it. Text next to an image is not part of its span."""
+    keep = [t in vision for t in ids]
+    last_vision = None
+    for i, t in enumerate(ids):
+        if t in vision:
+            if last_vision is not None and all(ids[j] in separators for j in range(last_vision + 1, i)):
+                for j in range(last_vision + 1, i):
+                    keep[j] = True
+            last_vision = i
+        elif t not in separators:
+            last_vision = None
+    return keep
 
-    Returns the kept ids and how many were dropped. Raises :class:`PromptTooLongError` when the protected
-    (vision) tokens alone exceed the limit.
+
+def truncate_text_only(
+    ids: Sequence[int], protected: Sequence[bool], max_length: int, row: int
+) -> tuple[list[int], int]:
+    """Drop the oldest unprotected tokens until ``ids`` fits ``max_length``; never drop a protected position
+    (``protected[i]``: token ``i`` is part of an image's span, see :func:`image_span_mask`).
+
+    Returns the kept ids and how many were dropped. Raises :class:`PromptTooLongError` when the image spans
+    alone exceed the limit.
     """
+    if len(protected) != len(ids):
+        raise ValueError(f"{len(ids)} ids but {len(protected)} protection flags")
     excess = len(ids) - max_length
     if excess <= 0:
         return list(ids), 0
-    n_protected = sum(1 for t in ids if t in protected)
+    n_protected = sum(protected)
     if n_protected > max_length:
         raise PromptTooLongError(
             row,
@@ -55,12 +77,22 @@ def truncate_text_only(ids: Sequence[int], protected: set[int], max_length: int,
             "raise max_prompt_length, use fewer or smaller images, or lower the processor's max_pixels",
         )
     kept, dropped = [], 0
-    for t in ids:
-        if dropped < excess and t not in protected:
+    for t, keep in zip(ids, protected, strict=True):
+        if dropped < excess and not keep:
             dropped += 1
             continue
         kept.append(t)
     return kept, dropped
+
+
+def separator_token_ids(tokenizer: Any) -> set[int]:
+    """Tokens that are only line breaks (and other whitespace): what separates tile rows inside an image."""
+    out = set()
+    for token, index in tokenizer.get_vocab().items():
+        text = tokenizer.convert_tokens_to_string([token])
+        if text and not text.strip() and "\n" in text:
+            out.add(index)
+    return out
 
 
 class PromptEncoder:
@@ -71,6 +103,7 @@ class PromptEncoder:
         self.family = family
         self.max_prompt_length = max_prompt_length
         self.protected = vision_token_ids(processor.tokenizer, family)
+        self.separators = separator_token_ids(processor.tokenizer)
         self.image_token_id = processor.tokenizer.convert_tokens_to_ids(family.image_token)
 
     def render(self, sample: Sample) -> str:
@@ -98,10 +131,11 @@ class PromptEncoder:
         n_image_tokens = sum(1 for t in ids if t == self.image_token_id)
         if sample.images and n_image_tokens == 0:
             raise RowError(sample.row, "the processor produced no image tokens for the row's images")
-        n_vision = sum(1 for t in ids if t in self.protected)
+        span = image_span_mask(ids, self.protected, self.separators)
+        n_vision = sum(span)
         dropped = 0
         if self.max_prompt_length is not None:
-            ids, dropped = truncate_text_only(ids, self.protected, self.max_prompt_length, sample.row)
+            ids, dropped = truncate_text_only(ids, span, self.max_prompt_length, sample.row)
         return EncodedPrompt(sample.row, ids, pixels, len(sample.images), n_vision, dropped)
 
 

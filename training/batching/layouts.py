@@ -8,9 +8,11 @@ takes. ``num_images[s]`` is the image count of sample ``s``.
   is ``(total_images, 3)``; image ``i`` owns ``prod(image_grid_thw[i])`` consecutive rows, in batch order.
 - ``image_indexed`` (LLaVA, LLaVA-NeXT, Gemma3): every tensor is ``(total_images, ...)``; trailing dimensions
   that differ between images (LLaVA-NeXT's patch count) are zero-padded on join.
-- ``batch_padded`` (Idefics3, SmolVLM): ``pixel_values`` is ``(batch, max_images, 3, H, W)`` and
-  ``pixel_attention_mask`` ``(batch, max_images, H, W)``; the padding images are all zero with an all-false
-  mask. Per sample we keep only the real images, unpadded.
+- ``batch_padded`` (Idefics3, SmolVLM): ``pixel_values`` is ``(batch, max_tiles, 3, H, W)`` and
+  ``pixel_attention_mask`` ``(batch, max_tiles, H, W)``. The second axis counts **tiles**, not images: with
+  image splitting (the real processors' default) each image becomes several crops plus a global view, so a
+  sample has at least as many entries as images. Padding tiles (to the batch's largest tile count) come last,
+  all zero with an all-false mask; per sample we keep exactly its real tiles, counted from the mask.
 """
 
 from __future__ import annotations
@@ -45,18 +47,34 @@ def split_pixels(layout: str, pixels: Pixels, num_images: Sequence[int]) -> list
     if sum(num_images) == 0:
         return [{} for _ in num_images]
     if layout == BATCH_PADDED:
-        _check_padded(pixels, num_images)
-        # per sample: only its real images, without the batch axis and the padding slots
-        return [{k: v[s, :n] for k, v in pixels.items()} if n else {} for s, n in enumerate(num_images)]
+        tiles = real_tiles(pixels)
+        _check_padded(pixels, num_images, tiles)
+        # per sample: its real tiles (every crop and global view of its images), without the batch axis and the
+        # padding slots; never cut by the image count, which would drop tiles
+        return [{k: v[s, :t] for k, v in pixels.items()} if t else {} for s, t in enumerate(tiles)]
     return [slice_pixels(layout, pixels, num_images, s, s + 1) for s in range(len(num_images))]
 
 
-def _check_padded(pixels: Pixels, num_images: Sequence[int]) -> None:
+def real_tiles(pixels: Pixels) -> list[int]:
+    """Per sample of a batch-padded pixel dict, how many leading entries are real tiles (padding tiles are
+    all-false in ``pixel_attention_mask``, or all zero when a processor gives no mask)."""
+    values = pixels["pixel_values"]
+    mask = pixels.get("pixel_attention_mask")
+    real = mask.flatten(2).any(dim=2) if mask is not None else values.flatten(2).ne(0).any(dim=2)
+    counts = real.sum(dim=1).tolist()
+    for s, n in enumerate(counts):
+        if not bool(real[s, :n].all()):
+            raise ValueError(f"sample {s}: padding tiles come before real ones in pixel_values")
+    return counts
+
+
+def _check_padded(pixels: Pixels, num_images: Sequence[int], tiles: Sequence[int]) -> None:
     values = pixels["pixel_values"]
     if values.shape[0] != len(num_images):
         raise ValueError(f"pixel_values has {values.shape[0]} samples but {len(num_images)} image counts")
-    if max(num_images) > values.shape[1]:
-        raise ValueError(f"a sample has {max(num_images)} images but pixel_values holds {values.shape[1]}")
+    for s, (n, t) in enumerate(zip(num_images, tiles, strict=True)):
+        if (n == 0) != (t == 0) or t < n:
+            raise ValueError(f"sample {s} has {n} images but {t} real tiles in pixel_values")
 
 
 def slice_pixels(layout: str, pixels: Pixels, num_images: Sequence[int], start: int, end: int) -> Pixels:

@@ -23,6 +23,9 @@ class ProcessorError(CollageError, RuntimeError):
     pass
 
 
+TINY_BUILD = 2  # bump whenever a tiny builder changes what it writes
+
+
 def resolve_model_path(path: str) -> str:
     """``tiny:<family>`` becomes the folder of that tiny model, built once under ``COLLAGE_HOME``."""
     if not path.startswith(TINY_PREFIX):
@@ -30,7 +33,9 @@ def resolve_model_path(path: str) -> str:
     family = path.removeprefix(TINY_PREFIX)
     if family not in BUILDERS:
         raise UnsupportedModelError(f"no tiny model {path!r}: choose tiny:{', tiny:'.join(BUILDERS)}")
-    folder = cache_dir("models") / f"tiny-{family}"
+    # the builders' version is part of the cache name: a changed builder (say, real processor defaults) never
+    # serves a model cached by an older one
+    folder = cache_dir("models") / f"tiny-{family}-b{TINY_BUILD}"
     if (folder / "config.json").is_file():
         return str(folder)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))

@@ -190,8 +190,11 @@ def _build_qwen(out: Path, version: str) -> None:
             fullatt_block_indexes=[1],
         )
     config = Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **common)
-    # 56x56 -> 4x4 patches -> 4 image tokens after the 2x2 merge; large images are capped at 16 tokens.
-    pixel_kwargs = dict(min_pixels=28 * 28, max_pixels=112 * 112, patch_size=14, temporal_patch_size=2, merge_size=2)
+    # Qwen's shipped pixel limits (preprocessor_config.json): min_pixels 56*56, max_pixels 28*28*1280; a 56x56
+    # image -> 4x4 patches -> 4 image tokens after the 2x2 merge, a 160x120 one -> 12x8 patches -> 24 tokens
+    pixel_kwargs = dict(
+        min_pixels=56 * 56, max_pixels=28 * 28 * 1280, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
     image_processor = ImageProcessor(**pixel_kwargs)
     video_processor = VideoProcessor(**pixel_kwargs)
     processor = Processor(
@@ -271,18 +274,21 @@ def _build_idefics3(out: Path) -> None:
         pad_token_id=ids["<|endoftext|>"],
     )
     text["model_type"] = "llama"
-    # 56x56 input, 14px patches -> 16 patches, pixel-shuffled by 2 -> 4 image tokens per image
+    # The shipped processor splits every image (do_image_splitting=True): resized to a longest edge of 4x the
+    # tile size, cut into tiles, plus a global view; tile rows are separated by "\n" inside the image's span.
+    # Same rule here with 28 px tiles instead of 364 (a tiny tower): 28x28 tiles, 14 px patches -> 4 patches,
+    # pixel-shuffled by 2 -> 1 image token per tile; a 56x56 image becomes 4x4 crops + the global view.
     vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56, patch_size=14
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14
     )
     config = Idefics3Config(
         vision_config=vision, text_config=text, image_token_id=ids["<image>"], scale_factor=2, tie_word_embeddings=False
     )
     image_processor = Idefics3ImageProcessor(
-        size={"longest_edge": 56}, max_image_size={"longest_edge": 56}, do_image_splitting=False
+        size={"longest_edge": 4 * 28}, max_image_size={"longest_edge": 28}, do_image_splitting=True
     )
     processor = Idefics3Processor(
-        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=1, chat_template=IDEFICS3_TEMPLATE
     )
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config)
