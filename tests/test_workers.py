@@ -198,6 +198,15 @@ def cluster(migrated_postgres_url, redis_server, shared_home, tmp_path):
     c.stop_all()
 
 
+def serve_env(tmp_path: Path) -> dict[str, str]:
+    """`collage serve`'s embedded defaults on a fresh COLLAGE_HOME (SQLite store and broker inside it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLLAGE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1",
+           "COLLAGE_REWARD_MODULES": "tests.rewards_for_tests"}  # fmt: skip
+    for key in ("COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS"):
+        env.pop(key, None)
+    return env
+
+
 def _metric_steps(cluster: Cluster, run_id: str) -> list[int]:
     with Session(cluster.engine) as session:
         return list(session.scalars(
@@ -337,11 +346,7 @@ def test_a_failing_reward_fails_the_run_and_the_worker_takes_the_next(cluster):
 def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
     """`collage serve` on a fresh COLLAGE_HOME: SQLite store, SQLite broker, one embedded worker; a run
     submitted with `collage submit --follow` trains to the end; Ctrl-C stops everything."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLLAGE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1",
-           "COLLAGE_REWARD_MODULES": "tests.rewards_for_tests"}  # fmt: skip
-    for key in ("COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS"):
-        env.pop(key, None)
+    port, env = free_port(), serve_env(tmp_path)
     log = tmp_path / "serve.log"
     serve = subprocess.Popen([sys.executable, "-m", "collage.app.cli", "serve", "--port", str(port)], env=env, cwd=ROOT,
                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -474,11 +479,7 @@ def test_split_brain_a_frozen_host_comes_back_and_one_attempt_owns_the_run(clust
 
 
 def test_collage_serve_killed_with_sigkill_leaves_no_worker_process(tmp_path):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLLAGE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1",
-           "COLLAGE_REWARD_MODULES": "tests.rewards_for_tests"}  # fmt: skip
-    for key in ("COLLAGE_DATABASE_URL", "COLLAGE_BROKER_URL", "COLLAGE_ARTIFACTS"):
-        env.pop(key, None)
+    port, env = free_port(), serve_env(tmp_path)
     log = tmp_path / "serve.log"
     serve = subprocess.Popen([sys.executable, "-m", "collage.app.cli", "serve", "--port", str(port), "--workers", "2"],
                              env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
