@@ -25,6 +25,7 @@ EXTRA_OF_MODULE = {
     "datasets": "worker",
     "peft": "worker",
     "safetensors": "worker",
+    "num2words": "worker",
     "psycopg": "postgres",
     "redis": "redis",
 }

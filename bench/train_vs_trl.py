@@ -2,6 +2,10 @@
 
 Each (framework, algorithm) runs in its own process so peak RSS (CPU) or peak CUDA memory is its own.
 The dataset is multi-image only (1..3 images per prompt): TRL's GRPO fails on text-only rows.
+Both sides train the same parameters: the vision tower and the projector (LLaVA's ``multi_modal_projector``,
+Idefics3's ``connector``, Qwen2-VL's ``visual.merger``) are frozen in TRL's model by the very function Collage
+uses (``prepare_policy`` with ``freeze_vision``), and the run stops unless both report the same trainable names.
+Both use ``beta: 0`` (TRL's RLOO default is 0.05, so it is set explicitly on both sides).
 
     .venv/bin/python bench/train_vs_trl.py [--steps 12] [--family qwen2-vl] [--device cpu|cuda]
 
@@ -61,7 +65,7 @@ def run_collage(algorithm: str, family: str, steps: int, device: str, data: str)
             times.append(metrics["step_time"])
             timings.append({k: v for k, v in metrics.items() if k.startswith("timing/")})
 
-    train = {**SETTINGS, "max_steps": steps, "max_prompt_length": 512}
+    train = {**SETTINGS, "max_steps": steps, "max_prompt_length": 512, "beta": 0.0}
     if algorithm == "grpo":
         train["loss_type"] = "dapo"
     config = parse_config(
@@ -75,10 +79,22 @@ def run_collage(algorithm: str, family: str, steps: int, device: str, data: str)
             "resources": {"gpus": 1 if device == "cuda" else 0},
         }
     )
-    Trainer(config, None, [Clock()]).train()
+    trainer = Trainer(config, None, [Clock()])
+    trainer.setup()
+    trainable = trainable_names(trainer.accelerator.unwrap_model(trainer.model))
+    trainer.train()
     steady = times[2:] or times
     split = {k: sum(t[k] for t in timings[2:] or timings) / len(steady) for k in timings[0]}
-    return {"seconds_per_step": sum(steady) / len(steady), "peak_mb": _peak_memory_mb(device), **split}
+    return {
+        "seconds_per_step": sum(steady) / len(steady),
+        "peak_mb": _peak_memory_mb(device),
+        "trainable": trainable,
+        **split,
+    }
+
+
+def trainable_names(model) -> list[str]:
+    return sorted(name for name, p in model.named_parameters() if p.requires_grad)
 
 
 def run_trl(algorithm: str, family: str, steps: int, device: str, data: str) -> dict:
@@ -86,15 +102,16 @@ def run_trl(algorithm: str, family: str, steps: int, device: str, data: str) -> 
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
 
+    from collage.training.config import ModelSettings
     from collage.training.data.loader import load_dataset
+    from collage.training.modeling import prepare_policy
     from collage.training.models.loading import resolve_model_path
 
     path = resolve_model_path(f"tiny:{family}")
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-    for name, p in model.named_parameters():  # same frozen vision tower as Collage's freeze_vision
-        if "visual" in name.split(".") or "vision_tower" in name or "vision_model" in name:
-            p.requires_grad_(False)
+    # exactly what Collage freezes with freeze_vision: vision tower, projector/connector, parameters never used
+    model = prepare_policy(model, ModelSettings(path=f"tiny:{family}", dtype="float32", freeze_vision=True), False)
     samples = load_dataset(data).load_all()
     rows = [{"prompt": s.prompt, "images": s.images} for s in samples]
     dataset = datasets.Dataset.from_list(rows)
@@ -133,9 +150,10 @@ def run_trl(algorithm: str, family: str, steps: int, device: str, data: str) -> 
         common["beta"] = 0.0
     trainer = T(model=model, reward_funcs=[numeric_reward], args=Config(**common), train_dataset=dataset,
                 processing_class=processor, callbacks=[Clock()])  # fmt: skip
+    trainable = trainable_names(trainer.model)  # after TRL's own set-up, which must not unfreeze anything
     trainer.train()
     steady = times[2:] or times
-    return {"seconds_per_step": sum(steady) / len(steady), "peak_mb": _peak_memory_mb(device)}
+    return {"seconds_per_step": sum(steady) / len(steady), "peak_mb": _peak_memory_mb(device), "trainable": trainable}
 
 
 def main() -> None:
@@ -167,6 +185,12 @@ def main() -> None:
             if line is None:
                 sys.exit(f"{framework} {algorithm} failed:\n{done.stderr[-3000:]}")
             results[(framework, algorithm)] = json.loads(line.removeprefix("RESULT "))
+        collage, trl = results[("collage", algorithm)]["trainable"], results[("trl", algorithm)]["trainable"]
+        if collage != trl:
+            sys.exit(
+                f"{algorithm}: the frameworks would train different parameters: only Collage "
+                f"{sorted(set(collage) - set(trl))[:10]}, only TRL {sorted(set(trl) - set(collage))[:10]}"
+            )
     s = SETTINGS
     print(f"{args.family}, {args.device}, {args.steps} steps (first 2 excluded), batch {s['per_device_train_batch_size']} "
           f"completions, {s['num_generations']} generations, max_completion_length {s['max_completion_length']}\n")  # fmt: skip
@@ -176,6 +200,9 @@ def main() -> None:
         c, t = results[("collage", algorithm)], results[("trl", algorithm)]
         print(f"| {algorithm} | {c['seconds_per_step']:.3f} | {t['seconds_per_step']:.3f} | "
               f"{t['seconds_per_step'] / c['seconds_per_step']:.2f} | {c['peak_mb']:.0f} | {t['peak_mb']:.0f} |")  # fmt: skip
+    trainable = results[("collage", "grpo")]["trainable"]
+    print(f"\nTrained in both frameworks: the same {len(trainable)} parameter tensors (vision tower and projector "
+          "frozen, names compared).")  # fmt: skip
     print("\nCollage step split (s): " + ", ".join(
         f"{a}: " + ", ".join(f"{k.removeprefix('timing/')} {v:.3f}" for k, v in results[("collage", a)].items() if k.startswith("timing/"))
         for a in ("grpo", "rloo")))  # fmt: skip

@@ -19,6 +19,11 @@ IMAGE_MARKUP = {
     "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "llava": "<image>",
     "idefics3": "<image>",
+    "qwen3-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma3": "<start_of_image>",
+    "llava-onevision": "<image>",
+    "internvl": "<IMG_CONTEXT>",
+    "smolvlm": "<image>",
 }
 
 
@@ -46,10 +51,13 @@ def test_build_reload_and_run(family, tmp_path):
     enc = processor(text=[text], images=[images], return_tensors="pt")
     image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     per_image = int((enc["input_ids"] == image_id).sum()) // 2
-    if model.config.model_type == "idefics3":
+    if model.config.model_type in ("idefics3", "smolvlm"):
         # the shipped default splits every image: 4x4 crops of the 4x-upscaled image + the global view, one
         # token each in the tiny tower, and the pixel tensor holds every tile
         assert per_image == 17 and enc["pixel_values"].shape[1] == 2 * 17, (per_image, enc["pixel_values"].shape)
+    elif model.config.model_type == "qwen3_vl":
+        # the shipped min_pixels (65536) upscales a 56x56 image to 256x256: 16x16 patches of 16 px -> 64 tokens
+        assert per_image == 64, per_image
     else:
         assert 1 <= per_image <= 8, f"a 56x56 image should cost a handful of tokens, got {per_image}"
     with torch.no_grad():

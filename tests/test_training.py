@@ -247,6 +247,23 @@ def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tmp_path):
     assert [m["loss"] for m in full_metrics] == [m["loss"] for m in part_metrics]
 
 
+def test_resume_with_sync_ref_model_restores_the_moved_reference(tmp_path):
+    """TR-DPO's reference moves every ref_model_sync_steps: a resumed run continues with the moved reference
+    (from the checkpoint), so it ends where an uninterrupted run ends, policy and reference alike."""
+    train = {"max_steps": 4, "sync_ref_model": True, "ref_model_sync_steps": 1, "seed": 5, "save_steps": 2}
+    config = make_config(algorithm="rloo", train=train)
+    full = Trainer(config, tmp_path / "full")
+    full.train()
+    Trainer(config, tmp_path / "part", [Recorder(stop_after=2)]).train()
+    resumed = Trainer(config, tmp_path / "part", resume=True)
+    resumed.train()
+    assert resumed.step == 4
+    a, b = params_of(full), params_of(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    full_ref = dict(full.ref_model.named_parameters())
+    assert all(torch.equal(p, full_ref[n]) for n, p in resumed.ref_model.named_parameters())
+
+
 # ---------------------------------------------------------------------------------------- errors
 
 

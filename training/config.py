@@ -41,6 +41,7 @@ TOKENS_MAX = 1_000_000  # prompt tokens (the same bound as the API's dataset che
 COMPLETION_TOKENS_MAX = 131_072
 ROWS_MAX = 10_000_000
 IMAGES_MAX = 64  # images per row (the same bound as the API's dataset check)
+COEF_MAX = 1000.0  # KL and entropy coefficients, delta, SAPO temperatures, VESPO's k and lambda
 
 
 def json_problem(value: Any, max_depth: int = JSON_MAX_DEPTH, max_bytes: int | None = JSON_MAX_BYTES) -> str | None:
@@ -130,6 +131,9 @@ class RewardSettings(_Strict):
 
 
 class TrainSettings(_Strict):
+    """The ``train`` section. Keys TRL has carry TRL's names, defaults and meanings (``GRPOConfig`` /
+    ``RLOOConfig`` 1.16); ``beta``'s default depends on the algorithm and is filled in by :class:`RunConfig`."""
+
     max_steps: int = Field(50, gt=0, le=STEPS_MAX)
     learning_rate: float = Field(1.0e-5, gt=0, le=1.0)
     per_device_train_batch_size: int = Field(4, gt=0, le=BATCH_MAX)
@@ -138,13 +142,27 @@ class TrainSettings(_Strict):
     max_prompt_length: int | None = Field(512, gt=0, le=TOKENS_MAX)
     max_completion_length: int = Field(32, gt=0, le=COMPLETION_TOKENS_MAX)
     temperature: float = Field(1.0, gt=0, le=100.0)
-    beta: float = Field(0.0, ge=0, le=1000.0)
+    beta: float = Field(0.0, ge=0, le=COEF_MAX)  # GRPO's default; RunConfig fills in RLOO's (ALGORITHM_DEFAULTS)
     use_bias_correction_kl: bool = True  # GRPO, beta > 0: weight the KL term by the ratio (TRL's default)
     epsilon: float = Field(0.2, gt=0, le=100.0)
     epsilon_high: float | None = Field(None, gt=0, le=100.0)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    delta: float | None = Field(None, gt=0, le=COEF_MAX)  # GRPO: two-sided clipping (INTELLECT-2)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # GRPO; sequence = GSPO
+    sapo_temperature_neg: float = Field(1.05, gt=0, le=COEF_MAX)
+    sapo_temperature_pos: float = Field(1.0, gt=0, le=COEF_MAX)
+    vespo_k_pos: float = Field(2.0, ge=0, le=COEF_MAX)
+    vespo_lambda_pos: float = Field(3.0, ge=0, le=COEF_MAX)
+    vespo_k_neg: float = Field(3.0, ge=0, le=COEF_MAX)
+    vespo_lambda_neg: float = Field(2.0, ge=0, le=COEF_MAX)
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     normalize_advantages: bool = False
+    top_entropy_quantile: float = Field(1.0, ge=0.0, le=1.0)
+    entropy_coef: float = Field(0.0, ge=-COEF_MAX, le=COEF_MAX)
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = Field(0.6, ge=0.0, le=1.0)
+    ref_model_sync_steps: int = Field(512, gt=0, le=STEPS_MAX)
     num_iterations: int = Field(1, gt=0, le=BATCH_MAX)
     steps_per_generation: int | None = Field(None, gt=0, le=BATCH_MAX)
     mask_truncated_completions: bool = False
@@ -194,8 +212,27 @@ class ResourceSettings(_Strict):
     queue: str = Field("default", min_length=1, max_length=100, pattern=r"^[\w.-]+$")
 
 
-GRPO_ONLY = ("loss_type", "scale_rewards")
+# Keys of one algorithm only (TRL's RLOOConfig has none of the GRPO ones, GRPOConfig not normalize_advantages).
+GRPO_ONLY = (
+    "loss_type",
+    "scale_rewards",
+    "use_bias_correction_kl",
+    "delta",
+    "importance_sampling_level",
+    "sapo_temperature_neg",
+    "sapo_temperature_pos",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "multi_objective_aggregation",
+    "top_entropy_quantile",
+    "entropy_coef",
+)
 RLOO_ONLY = ("normalize_advantages",)
+# Defaults that differ between TRL's two configs: filled in when the key is absent (or null), so a resolved config
+# written out (every key present) loads again unchanged.
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"beta": 0.0}, "rloo": {"beta": 0.05}}
 
 
 class RunConfig(_Strict):
@@ -208,6 +245,24 @@ class RunConfig(_Strict):
     train: TrainSettings = Field(default_factory=TrainSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     resources: ResourceSettings = Field(default_factory=ResourceSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        algorithm = data.get("algorithm", "grpo")
+        defaults = ALGORITHM_DEFAULTS.get(algorithm) if isinstance(algorithm, str) else None
+        if not defaults:
+            return data  # an unknown algorithm is reported by the field itself
+        train = data.get("train", {})
+        if isinstance(train, dict):
+            missing = {k: v for k, v in defaults.items() if train.get(k) is None}
+            return {**data, "train": {**train, **missing}} if missing else data
+        if isinstance(train, TrainSettings):
+            missing = {k: v for k, v in defaults.items() if k not in train.model_fields_set}
+            return {**data, "train": train.model_copy(update=missing)} if missing else data
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
@@ -222,6 +277,16 @@ class RunConfig(_Strict):
             # a resolved config (every key written out) must load again, so only a non-default value is an error
             if key in t.model_fields_set and getattr(t, key) != TrainSettings.model_fields[key].default:
                 raise ValueError(f"train.{key}: does not apply to algorithm {self.algorithm}")
+        if t.sync_ref_model:
+            if t.beta == 0.0:
+                raise ValueError(
+                    "train.sync_ref_model: needs beta > 0; with beta 0 there is no reference model to synchronise"
+                )
+            if self.model.lora is not None:
+                raise ValueError(
+                    "train.sync_ref_model: not supported with model.lora: the reference is the base model with the "
+                    "adapters disabled, not a copy that could be synchronised (TRL refuses it too)"
+                )
         if self.name is None:
             self.name = default_name(self)
         return self

@@ -11,7 +11,9 @@ import torch
 from .config import ModelSettings
 
 # Name components that belong to the vision side (tower + projector) in the families Collage supports.
-VISION_PARTS = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector")
+# the vision tower and everything that only carries image features into the language model (projectors, the
+# learned row-break embedding of anyres LLaVA-NeXT/OneVision): frozen together by `freeze_vision`
+VISION_PARTS = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector", "image_newline")
 LANGUAGE_PARTS = ("language_model", "text_model")
 
 
@@ -20,6 +22,7 @@ LANGUAGE_PARTS = ("language_model", "text_model")
 UNUSED_BY_DESIGN = {
     "llava": ("vision_tower.post_layernorm.",),
     "llava_next": ("vision_tower.post_layernorm.",),
+    "llava_onevision": ("vision_tower.post_layernorm.",),
 }
 
 

@@ -23,10 +23,17 @@ from typing import Any, Literal
 import torch
 
 from . import algorithms as alg
-from .batching.inputs import EncodedPrompt, ModelBatch, PromptEncoder, collate, completion_logprobs_and_entropy
+from .batching.inputs import (
+    EncodedPrompt,
+    ModelBatch,
+    PromptEncoder,
+    _completion_logits,
+    collate,
+    completion_logprobs_and_entropy,
+)
 from .callbacks import Callback, CallbackList, RolloutImage, RolloutRow
 from .checkpoint import latest_checkpoint, load_model_weights, load_state, rng_state, save_checkpoint, set_rng_state
-from .config import RunConfig
+from .config import RunConfig, TrainSettings
 from .data.loader import DatasetError, LoadedDataset, load_dataset
 from .data.rows import RowError, Sample
 from .errors import CollageError
@@ -132,6 +139,8 @@ class Trainer:
         model.generation_config.top_k = None  # sampling is plain temperature sampling unless configured
         self.uses_lora = cfg.model.lora is not None
         self.ref_model = reference_model(model, self.uses_lora) if t.beta > 0 else None
+        self.loss_settings = self._loss_settings()
+        self._pending_events.extend(("warning", message) for message in option_warnings(cfg))
         model = prepare_policy(model, cfg.model, t.gradient_checkpointing)
         params = [p for p in model.parameters() if p.requires_grad]
         decay = t.weight_decay
@@ -154,6 +163,29 @@ class Trainer:
         self.resumed_from = 0
         if self.resume:
             self._restore()
+
+    def _loss_settings(self) -> alg.GRPOLossSettings:
+        t = self.config.train
+        return alg.GRPOLossSettings(
+            loss_type=t.loss_type,
+            epsilon_low=t.epsilon_low,
+            epsilon_high=t.epsilon_high_value,
+            delta=t.delta,
+            beta=t.beta,
+            use_bias_correction_kl=t.use_bias_correction_kl,
+            importance_sampling_level=t.importance_sampling_level,
+            sapo_temperature_pos=t.sapo_temperature_pos,
+            sapo_temperature_neg=t.sapo_temperature_neg,
+            vespo_k_pos=t.vespo_k_pos,
+            vespo_lambda_pos=t.vespo_lambda_pos,
+            vespo_k_neg=t.vespo_k_neg,
+            vespo_lambda_neg=t.vespo_lambda_neg,
+            entropy_coef=t.entropy_coef,
+            max_completion_length=t.max_completion_length,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            steps_per_generation=t.generation_steps,
+            num_processes=self.world,
+        )
 
     def _load_data(self) -> LoadedDataset:
         d = self.config.dataset
@@ -327,7 +359,9 @@ class Trainer:
             assert old_logps is not None and ref_logps is not None  # computed above whenever beta > 0
             kl_seq = self.accelerator.gather(alg.sequence_kl_penalty(old_logps, ref_logps, mask))
             rewards = rewards - t.beta * kl_seq
-        if cfg.algorithm == "grpo":
+        if cfg.algorithm == "grpo" and t.multi_objective_aggregation == "normalize_then_sum":
+            adv = alg.gdpo_advantages(rewards_per_func, weights, t.num_generations)
+        elif cfg.algorithm == "grpo":
             adv = alg.grpo_advantages(rewards, t.num_generations, t.scale_rewards)
         else:
             adv = alg.rloo_advantages(rewards, t.num_generations, t.normalize_advantages)
@@ -434,6 +468,31 @@ class Trainer:
         return rows
 
     # ------------------------------------------------------------------ loss
+    def _logps_for_loss(self, mb: ModelBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of a micro-batch; the entropies carry gradients when the entropy bonus
+        (``entropy_coef``) trains through them."""
+        t = self.config.train
+        if self.config.algorithm == "grpo" and t.entropy_coef != 0.0:
+            logits = _completion_logits(self.model, mb, self.family, self.image_token_id)
+            return alg.token_logps_and_entropy(logits, mb.completion_ids, t.temperature)
+        logps, entropy = self._logps(self.model, mb, entropy=True)
+        assert entropy is not None
+        return logps, entropy
+
+    def _entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """``top_entropy_quantile``: the threshold is the quantile over every process's completion tokens of the
+        micro-batch, as in TRL."""
+        t = self.config.train
+        if self.config.algorithm != "grpo" or t.top_entropy_quantile >= 1.0:
+            return None
+        local = entropy.detach()[mask.bool()].float()
+        pool = local
+        if self.world > 1:
+            pad = -1e9  # entropies are >= 0, so the sentinel cannot collide with a real value
+            gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=pad))
+            pool = gathered[gathered != pad]
+        return alg.high_entropy_mask(entropy.detach(), mask, t.top_entropy_quantile, pool)
+
     def _micro_step(self, gen: GenerationBatch, index: int, sync: bool) -> dict[str, float]:
         cfg, t = self.config, self.config.train
         size = t.per_device_train_batch_size
@@ -445,24 +504,18 @@ class Trainer:
         mask = mb.completion_mask
         context = torch.enable_grad() if sync else self.accelerator.no_sync(self.model)
         with context:
-            logps, entropy = self._logps(self.model, mb, entropy=True)
+            logps, entropy = self._logps_for_loss(mb)
             if cfg.algorithm == "grpo":
                 out = alg.grpo_loss(
                     logps,
                     old,
                     advantages,
                     mask,
-                    t.loss_type,
-                    t.epsilon_low,
-                    t.epsilon_high_value,
-                    beta=t.beta,
+                    self.loss_settings,
                     ref_logps=ref,
-                    max_completion_length=t.max_completion_length,
                     num_items_in_batch=gen.num_items,
-                    gradient_accumulation_steps=t.gradient_accumulation_steps,
-                    steps_per_generation=t.generation_steps,
-                    num_processes=self.world,
-                    use_bias_correction_kl=t.use_bias_correction_kl,
+                    entropies=entropy,
+                    entropy_mask=self._entropy_mask(entropy, mask),
                 )
             else:
                 out = alg.rloo_loss(
@@ -474,17 +527,45 @@ class Trainer:
                 # trainable vision parameters a (zero) gradient, or ranks disagree and DDP fails (TRL #4169)
                 loss = loss + 0.0 * sum(p.sum() for p in self.vision_params)
             self.accelerator.backward(loss)
-        fmask = mask.float()
-        metrics = {
-            "loss": _f(out.policy_loss),
-            "entropy": _f(alg.masked_mean(entropy, fmask)),
-            "clip_ratio/low_mean": _f(alg.masked_mean(out.is_low_clipped.float(), fmask)),
-            "clip_ratio/high_mean": _f(alg.masked_mean(out.is_high_clipped.float(), fmask)),
-            "clip_ratio/region_mean": _f(alg.masked_mean((out.is_low_clipped | out.is_high_clipped).float(), fmask)),
-        }
-        if out.kl is not None:
-            metrics["kl"] = _f(alg.masked_mean(out.kl, fmask))
-        return metrics
+        return loss_metrics(out, entropy.detach(), mask, t.entropy_coef if cfg.algorithm == "grpo" else 0.0)
+
+    # ------------------------------------------------------------- reference
+    def _sync_reference(self) -> None:
+        """``sync_ref_model`` (TR-DPO): every ``ref_model_sync_steps`` optimizer steps the reference moves towards
+        the policy, ``ref = alpha * policy + (1 - alpha) * ref``, as TRL's ``SyncRefModelCallback`` does."""
+        t = self.config.train
+        if self.ref_model is None or not t.sync_ref_model or self.step % t.ref_model_sync_steps:
+            return
+        policy = dict(self.accelerator.unwrap_model(self.model).named_parameters())
+        names = [n for n, _ in self.ref_model.named_parameters()]
+        alg.mix_into_reference(
+            [p for _, p in self.ref_model.named_parameters()], [policy[n] for n in names], t.ref_model_mixup_alpha
+        )
+
+    def _reference_state(self) -> dict[str, torch.Tensor] | None:
+        """The synchronised reference's weights for a checkpoint (``None`` when the reference never moves: it is
+        then the initial policy, rebuilt on resume)."""
+        if self.ref_model is None or not self.config.train.sync_ref_model:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in self.ref_model.state_dict().items()}
+
+    def _restore_reference(self, state: dict[str, Any] | None = None) -> None:
+        """On resume, a reference that ``sync_ref_model`` has moved must come back from the checkpoint."""
+        t = self.config.train
+        if self.ref_model is None or not t.sync_ref_model or self.step < t.ref_model_sync_steps:
+            return
+        if state is None:
+            assert self.out is not None
+            path = latest_checkpoint(self.out)
+            assert path is not None  # _restore found it
+            state = load_state(path)
+        saved = state.get("ref_model")
+        if saved is None:
+            raise TrainingError(
+                f"resume: train.sync_ref_model: the checkpoint at step {self.step} does not hold the synchronised "
+                "reference model, so the run cannot continue with the same reference"
+            )
+        self.ref_model.load_state_dict(saved)
 
     # ------------------------------------------------------------ checkpoint
     def _state(self) -> dict[str, Any]:
@@ -497,6 +578,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "buffer": self.buffer,
             "world": self.world,
+            "ref_model": self._reference_state(),  # a reference that sync_ref_model moved (else None)
         }
 
     def _save(self) -> Path | None:
@@ -529,6 +611,7 @@ class Trainer:
             self.buffer.batch = self._batch_to_device(self.buffer.batch)
         set_rng_state(state["rng"][self.rank])
         self.resumed_from = self.step
+        self._restore_reference(state)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainResult:
@@ -575,6 +658,7 @@ class Trainer:
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
+                self._sync_reference()
                 done_steps += 1
                 metrics = _mean_dicts(loss_metrics)
                 if gen_metrics:
@@ -644,6 +728,67 @@ class Trainer:
             callbacks.on_event("error", message)
             raise TrainingError(message)
         callbacks.on_event("info", f"parameters identical across {self.world} processes")
+
+
+def loss_metrics(
+    out: alg.LossOutput, entropy: torch.Tensor, mask: torch.Tensor, entropy_coef: float = 0.0
+) -> dict[str, float]:
+    """A micro-batch's loss-side metrics under TRL's names: ``loss``, ``entropy``, the ``kl`` term as TRL logs it,
+    ``clip_ratio/*`` for the clipped losses, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, and with the entropy
+    bonus ``policy_loss`` and ``entropy_coef``."""
+    fmask = mask.float()
+    metrics = {
+        "loss": _f(out.logged_loss if out.logged_loss is not None else out.policy_loss),
+        "entropy": _f(alg.masked_mean(entropy, fmask)),
+    }
+    if out.is_low_clipped is not None and out.is_high_clipped is not None:
+        low, high = out.is_low_clipped, out.is_high_clipped
+        metrics["clip_ratio/low_mean"] = _f(alg.masked_mean(low.float(), fmask))
+        metrics["clip_ratio/high_mean"] = _f(alg.masked_mean(high.float(), fmask))
+        metrics["clip_ratio/region_mean"] = _f(alg.masked_mean((low | high).float(), fmask))
+    for name, value in out.extra.items():
+        metrics[name] = _f(alg.masked_mean(value.float(), fmask))
+    if out.kl is not None:
+        metrics["kl"] = _f(alg.masked_mean(out.kl.detach(), fmask))
+    if entropy_coef != 0.0:
+        metrics["policy_loss"] = _f(out.policy_loss)
+        metrics["entropy_coef"] = entropy_coef
+    return metrics
+
+
+def option_warnings(config: RunConfig) -> list[str]:
+    """Settings TRL accepts but that do not do what they look like (TRL logs the first three as warnings too)."""
+    t = config.train
+    if config.algorithm != "grpo":
+        return []
+    out = []
+    if t.loss_type == "luspo" and t.importance_sampling_level != "sequence":
+        out.append("train.loss_type: luspo is meant for importance_sampling_level: sequence (the LUSPO paper's setup)")
+    if t.loss_type == "vespo" and t.importance_sampling_level != "token":
+        out.append("train.importance_sampling_level: vespo computes its own sequence-level weights; leave it at token")
+    if t.importance_sampling_level == "sequence" and t.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        out.append(
+            f"train.importance_sampling_level: with sequence, loss_type {t.loss_type} sums per-token terms, which "
+            "weights each sequence by its length; the GSPO paper's setup is loss_type: grpo"
+        )
+    if t.loss_type == "cispo" and t.epsilon_high is None:
+        out.append(
+            f"train.epsilon_high: with loss_type cispo it is the cap of the importance weight itself (ScaleRL "
+            f"recommends 5.0); unset it falls back to epsilon = {t.epsilon}, capping the weight below 1"
+        )
+    if t.delta is not None and t.loss_type not in alg.CLIPPED_LOSSES:
+        out.append(f"train.delta: has no effect with loss_type {t.loss_type} (only with the clipped losses)")
+    defaults = TrainSettings.model_fields
+    for prefix, loss_type in (("sapo_", "sapo"), ("vespo_", "vespo")):
+        changed = [k for k in defaults if k.startswith(prefix) and getattr(t, k) != defaults[k].default]
+        if changed and t.loss_type != loss_type:
+            out.append(f"train.{changed[0]}: has no effect with loss_type {t.loss_type} (only with {loss_type})")
+    if t.multi_objective_aggregation == "normalize_then_sum" and t.scale_rewards != "group":
+        out.append(
+            "train.scale_rewards: has no effect with multi_objective_aggregation: normalize_then_sum (GDPO "
+            "standardises the summed rewards over the batch)"
+        )
+    return out
 
 
 def _f(x: Any) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from collage.training import config
 from collage.training.config import RunConfig
 
 HELP: dict[str, tuple[str, str]] = {
@@ -40,24 +41,93 @@ HELP: dict[str, tuple[str, str]] = {
     "train.max_completion_length": ("Most tokens per completion (TRL: max_completion_length).", "int"),
     "train.temperature": ("Sampling temperature for completions and log-probs (TRL: temperature).", "float"),
     "train.beta": (
-        "KL coefficient; > 0 needs a reference model, with LoRA the adapters are disabled (TRL: beta).",
-        "float",
+        "KL coefficient; empty = the algorithm's TRL default (GRPO 0.0, RLOO 0.05). > 0 needs a reference model; "
+        "with LoRA the adapters are disabled instead of copying the model (TRL: beta; DeepSeek-R1 used 0.001).",
+        "optional-float",
     ),
     "train.use_bias_correction_kl": (
-        "GRPO, beta > 0: weight the KL term by the ratio (TRL: use_bias_correction_kl).",
+        "GRPO, beta > 0: weight the KL term by the importance ratio, making its gradient the unbiased reverse-KL "
+        "gradient (TRL: use_bias_correction_kl; DeepSeek-V3.2, arXiv 2512.02556).",
         "bool",
+    ),
+    "train.sync_ref_model": (
+        "Move the reference model towards the policy every ref_model_sync_steps steps; needs beta > 0, not with "
+        "LoRA (TRL: sync_ref_model; TR-DPO, arXiv 2404.09656).",
+        "bool",
+    ),
+    "train.ref_model_mixup_alpha": (
+        "With sync_ref_model: ref = alpha x policy + (1 - alpha) x ref at each sync (TRL: ref_model_mixup_alpha; "
+        "TR-DPO's alpha).",
+        "float",
+    ),
+    "train.ref_model_sync_steps": (
+        "With sync_ref_model: optimizer steps between syncs (TRL: ref_model_sync_steps; TR-DPO's tau).",
+        "int",
     ),
     "train.epsilon": ("Lower clip range of the ratio (TRL: epsilon).", "float"),
     "train.epsilon_high": (
-        "Upper clip range; empty = epsilon (TRL: epsilon_high, DAPO's clip-higher).",
+        "Upper clip range; empty = epsilon (TRL: epsilon_high; DAPO's clip-higher recommends 0.28). With loss_type "
+        "cispo it is the cap of the importance weight itself (ScaleRL, arXiv 2510.13786, recommends 5.0).",
+        "optional-float",
+    ),
+    "train.delta": (
+        "Two-sided clipping: also cap the unclipped ratio at delta, bounding updates on negative advantages; empty "
+        "= off, TRL recommends > 1 + epsilon (TRL: delta; INTELLECT-2, arXiv 2505.07291). Clipped loss types only.",
         "optional-float",
     ),
     "train.loss_type": (
-        "Loss normalisation (TRL: loss_type): grpo per sequence, bnpo per token of the batch, dr_grpo by B x max length, dapo by tokens of the generation batch.",
+        "Loss (TRL: loss_type): grpo per-sequence mean (length-biased); bnpo per token of the micro-batch; dr_grpo "
+        "by B x max length (Dr. GRPO); dapo by tokens of the generation batch (DAPO); cispo clips the importance "
+        "weight, not the update (MiniMax-M1, arXiv 2506.13585); sapo a soft temperature gate instead of clipping "
+        "(SAPO, arXiv 2511.20347); luspo sequence sums, a length-unbiased GSPO (LUSPO, arXiv 2602.05261); vespo a "
+        "gamma weight of the sequence ratio (VESPO, arXiv 2602.10693).",
+        "choice",
+    ),
+    "train.importance_sampling_level": (
+        "Importance ratio per token, or per sequence (the mean log-ratio: GSPO, Zheng et al. 2025, arXiv "
+        "2507.18071; use with loss_type grpo or luspo) (TRL: importance_sampling_level).",
+        "choice",
+    ),
+    "train.sapo_temperature_pos": (
+        "loss_type sapo: gate temperature for tokens with positive advantage (TRL: sapo_temperature_pos; SAPO).",
+        "float",
+    ),
+    "train.sapo_temperature_neg": (
+        "loss_type sapo: gate temperature for tokens with non-positive advantage (TRL: sapo_temperature_neg; SAPO).",
+        "float",
+    ),
+    "train.vespo_k_pos": (
+        "loss_type vespo, positive advantages: power k of the gamma weight, how hard ratios < 1 are down-weighted "
+        "(TRL: vespo_k_pos; VESPO).",
+        "float",
+    ),
+    "train.vespo_lambda_pos": (
+        "loss_type vespo, positive advantages: decay lambda, how hard ratios > 1 are down-weighted "
+        "(TRL: vespo_lambda_pos; VESPO).",
+        "float",
+    ),
+    "train.vespo_k_neg": ("loss_type vespo, negative advantages: power k (TRL: vespo_k_neg; VESPO).", "float"),
+    "train.vespo_lambda_neg": (
+        "loss_type vespo, negative advantages: decay lambda (TRL: vespo_lambda_neg; VESPO).",
+        "float",
+    ),
+    "train.top_entropy_quantile": (
+        "Keep in the policy loss only the top rho fraction of tokens by entropy; 1.0 keeps all, 0.0 only the "
+        "highest, the paper recommends 0.2 (TRL: top_entropy_quantile; Beyond the 80/20 Rule, arXiv 2506.01939).",
+        "float",
+    ),
+    "train.entropy_coef": (
+        "Entropy bonus: subtract coef x the mean per-token entropy from the loss (any loss_type); 0 = off "
+        "(TRL: entropy_coef).",
+        "float",
+    ),
+    "train.multi_objective_aggregation": (
+        "Several rewards: sum the weighted rewards then normalise (scale_rewards), or normalise each reward in its "
+        "group, sum, and standardise over the batch (TRL: multi_objective_aggregation; GDPO, arXiv 2601.05242).",
         "choice",
     ),
     "train.scale_rewards": (
-        "Divide advantages by the group std, the batch std, or not at all (TRL: scale_rewards).",
+        "Divide advantages by the group std, the batch std (PPO Lite), or not at all (Dr. GRPO) (TRL: scale_rewards).",
         "choice",
     ),
     "train.normalize_advantages": ("Standardise RLOO advantages over the batch (TRL: normalize_advantages).", "bool"),
@@ -82,8 +152,26 @@ HELP: dict[str, tuple[str, str]] = {
     "resources.queue": ("Worker queue to run on.", "text"),
 }
 
-GRPO_ONLY = {"train.loss_type", "train.scale_rewards", "train.use_bias_correction_kl"}
-RLOO_ONLY = {"train.normalize_advantages"}
+GRPO_ONLY = {f"train.{key}" for key in config.GRPO_ONLY}
+RLOO_ONLY = {f"train.{key}" for key in config.RLOO_ONLY}
+# the policy-loss, advantage and reference-model options get their own card on the form ("loss" section)
+LOSS_SECTION = {
+    f"train.{key}"
+    for key in (
+        "beta",
+        "use_bias_correction_kl",
+        "sync_ref_model",
+        "ref_model_mixup_alpha",
+        "ref_model_sync_steps",
+        "epsilon",
+        "epsilon_high",
+        "delta",
+        *config.GRPO_ONLY,
+        *config.RLOO_ONLY,
+    )
+}
+# keys whose default depends on the algorithm: the form leaves them empty (= that algorithm's default)
+ALGORITHM_DEFAULTED = {f"train.{key}" for defaults in config.ALGORITHM_DEFAULTS.values() for key in defaults}
 
 
 @dataclass
@@ -121,7 +209,7 @@ def form_fields() -> list[FormField]:
     defaults = RunConfig(name="x")
     fields = []
     for path, (help_text, kind) in HELP.items():
-        default = "" if path == "name" else _lookup(defaults, path)
+        default = "" if path == "name" else None if path in ALGORITHM_DEFAULTED else _lookup(defaults, path)
         if path == "tags":
             default = ""
         algorithm = "grpo" if path in GRPO_ONLY else "rloo" if path in RLOO_ONLY else None
@@ -134,7 +222,7 @@ def form_fields() -> list[FormField]:
                 help=help_text,
                 choices=_choices(path) if kind == "choice" else [],
                 algorithm=algorithm,
-                section=path.partition(".")[0] if "." in path else "run",
+                section="loss" if path in LOSS_SECTION else path.partition(".")[0] if "." in path else "run",
             )
         )
     return fields

@@ -215,7 +215,8 @@ def collate(
             input_ids[i, p_len : p_len + len(comp)] = comp
             attention[i, p_len : p_len + len(comp)] = 1
             completion_mask[i, : len(comp)] = (~bad).long()
-    pixels = join_pixels(family.layout, [p.pixels for p in prompts])
+    per_sample = [_tiles_in_image_slots(p.pixels, p.num_images) for p in prompts] if family.tiled else None
+    pixels = join_pixels(family.layout, per_sample or [p.pixels for p in prompts])
     return ModelBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -227,6 +228,57 @@ def collate(
     )
 
 
+TILE_COUNTS = "collage_tile_counts"  # not a model input: forward_kwargs / generation_kwargs turn it back into tiles
+
+
+def _tiles_in_image_slots(pixels: Pixels, num_images: int) -> Pixels:
+    """A tiled family's per-sample pixels, one slot per image, so the image_indexed split stays per sample.
+
+    InternVL (dynamic tiling) and Gemma 3 (pan-and-scan crops) return ``pixel_values`` as ``(tiles, 3, H, W)``: a
+    variable number of tiles per image, so cutting it by image counts would hand one sample's tiles to another.
+    The sample's tiles, in order, are dealt into ``num_images`` slots of ``ceil(tiles / num_images)`` (zero-padded;
+    ``TILE_COUNTS`` says how many of a slot are real) and :func:`_model_pixels` concatenates them back. Slots are
+    a carrier, not images: the model only needs every tile once, in order.
+    """
+    if not pixels:
+        return {}
+    tiles = pixels["pixel_values"]
+    total = tiles.shape[0]
+    if num_images < 1 or total < num_images:
+        raise ValueError(f"{total} tiles for {num_images} images: every image has at least one tile")
+    width = -(-total // num_images)
+    counts = [max(0, min(width, total - i * width)) for i in range(num_images)]
+    slots = tiles.new_zeros((num_images, width, *tiles.shape[1:]))
+    for i, n in enumerate(counts):
+        slots[i, :n] = tiles[i * width : i * width + n]
+    out = {k: v for k, v in pixels.items() if k != "pixel_values"}
+    out["pixel_values"] = slots
+    out[TILE_COUNTS] = torch.tensor(counts, dtype=torch.long)
+    return out
+
+
+def _model_pixels(pixels: Pixels) -> Pixels:
+    """The batch pixels as the model takes them (a tiled family's slots concatenated back into tiles)."""
+    if TILE_COUNTS not in pixels:
+        return dict(pixels)
+    out = {k: v for k, v in pixels.items() if k != TILE_COUNTS}
+    slots = pixels["pixel_values"]
+    out["pixel_values"] = torch.cat([slots[i, :n] for i, n in enumerate(pixels[TILE_COUNTS].tolist())])
+    return out
+
+
+def _extra_inputs(ids: torch.Tensor, batch: ModelBatch, family: Family, image_token_id: int) -> dict[str, Any]:
+    """Family-specific model inputs, built from the final (padded) ids so they cannot drift from the padding."""
+    extra: dict[str, Any] = {}
+    if "token_type_ids" in family.extra_inputs:
+        # Gemma 3: image soft tokens attend to each other bidirectionally, found through token_type_ids == 1
+        extra["token_type_ids"] = (ids == image_token_id).long()
+    if "batch_num_images" in family.extra_inputs and batch.pixels:
+        # LLaVA-OneVision: anyres patches for single-image samples, the base view only for multi-image ones
+        extra["batch_num_images"] = torch.tensor(batch.num_images, dtype=torch.long, device=ids.device)
+    return extra
+
+
 def forward_kwargs(batch: ModelBatch, family: Family, image_token_id: int) -> dict[str, Any]:
     """Keyword arguments for ``model(**kwargs)`` on this batch.
 
@@ -234,7 +286,12 @@ def forward_kwargs(batch: ModelBatch, family: Family, image_token_id: int) -> di
     Qwen-VL computes its 3-D positions from ``mm_token_type_ids`` and the mask itself, when there are images;
     for every other case we pass ``cumsum(mask) - 1``.
     """
-    kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, **batch.pixels}
+    kwargs: dict[str, Any] = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        **_model_pixels(batch.pixels),
+        **_extra_inputs(batch.input_ids, batch, family, image_token_id),
+    }
     if family.layout == GRID:
         kwargs["mm_token_type_ids"] = (batch.input_ids == image_token_id).long()
         if batch.pixels:
@@ -251,7 +308,12 @@ def generation_kwargs(batch: ModelBatch, family: Family, image_token_id: int) ->
     """
     prompt = slice(0, batch.prompt_length)
     ids = batch.input_ids[:, prompt]
-    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": batch.attention_mask[:, prompt], **batch.pixels}
+    kwargs: dict[str, Any] = {
+        "input_ids": ids,
+        "attention_mask": batch.attention_mask[:, prompt],
+        **_model_pixels(batch.pixels),
+        **_extra_inputs(ids, batch, family, image_token_id),
+    }
     if family.layout == GRID:
         kwargs["mm_token_type_ids"] = (ids == image_token_id).long()
     return kwargs

@@ -87,6 +87,8 @@ def load_processor(path: str) -> tuple[Any, Family]:
         raise ProcessorError(
             f"{path}: could not load the model's processor (tokenizer + image processor): {exc}"
         ) from exc
+    except ImportError as exc:  # a processor that needs a package of its own (SmolVLM's needs num2words)
+        raise ProcessorError(f"{path}: the model's processor needs a package that is not installed: {exc}") from exc
     return check_processor(processor, path), family
 
 
