@@ -76,3 +76,12 @@ def test_config_errors_name_their_paths_once_each():
         parse_config({"train": {"per_device_train_batch_size": 3, "num_generations": 2}})
     (path, message), = err.value.errors  # fmt: skip
     assert path == "train" and "multiple of num_generations" in message
+
+
+def test_generation_backend_is_hf_and_nothing_pretends_otherwise():
+    from collage.training.generation import BACKENDS, generate
+
+    assert parse_config({}).train.generation_backend == "hf" and BACKENDS == {"hf": generate}
+    with pytest.raises(ConfigError) as err:
+        parse_config({"train": {"generation_backend": "vllm"}})
+    assert err.value.errors == [("train.generation_backend", "must be one of 'hf'")]

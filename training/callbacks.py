@@ -6,17 +6,173 @@ cancellation. ``training/`` never imports either.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import atexit
+import hashlib
+import io
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass
 class RolloutImage:
-    sha256: str
-    png: bytes  # PNG bytes, written once per distinct image by whoever stores them
-    width: int
-    height: int
+    """An image of a rollout row, by content hash, with the bytes written once per distinct image by whoever
+    stores them (PNG, or the dataset file's own PNG bytes).
+
+    Built either from known ``sha256`` + ``png`` (a dataset PNG: nothing to encode) or from a PIL ``image`` that
+    is PNG-encoded lazily, on first access to ``sha256`` or ``png``: that happens wherever the row is written,
+    which for the output folder and the store is their background writer thread, not the training loop."""
+
+    def __init__(self, sha256: str | None, png: bytes | None, width: int, height: int, image: Any = None) -> None:
+        if (sha256 is None or png is None) and image is None:
+            raise ValueError("RolloutImage needs sha256 and png, or an image to encode")
+        self._sha256 = sha256 if png is not None else None
+        self._png = png
+        self.width = width
+        self.height = height
+        self._image = image
+        self._lock = threading.Lock()
+
+    def _encode(self) -> None:
+        with self._lock:
+            if self._png is None:
+                buf = io.BytesIO()
+                self._image.save(buf, format="PNG")
+                data = buf.getvalue()
+                self._sha256 = hashlib.sha256(data).hexdigest()
+                self._png = data
+                self._image = None
+
+    @property
+    def encoded(self) -> bool:
+        return self._png is not None
+
+    @property
+    def sha256(self) -> str:
+        if self._png is None:
+            self._encode()
+        assert self._sha256 is not None
+        return self._sha256
+
+    @property
+    def png(self) -> bytes:
+        if self._png is None:
+            self._encode()
+        assert self._png is not None
+        return self._png
+
+    def __getstate__(self) -> dict[str, Any]:  # checkpoints pickle the generation buffer, rows included
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        sha = self._sha256 if self._png is not None else "<not encoded>"
+        return f"RolloutImage(sha256={sha}, width={self.width}, height={self.height})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RolloutImage):
+            return NotImplemented
+        return (self.sha256, self.width, self.height) == (other.sha256, other.width, other.height)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable (lazily encoded)
+
+
+log = logging.getLogger("collage.training")
+
+_LIVE_WRITERS: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_writers() -> None:
+    """Flush on exit: whatever is still queued reaches its sink even if the owner never closed its writer."""
+    for writer in list(_LIVE_WRITERS):
+        try:
+            writer.close()
+        except BaseException:
+            log.exception("a background writer failed while draining at exit")
+
+
+class BackgroundWriter:
+    """Runs write tasks in order on one background thread, off the training loop.
+
+    ``put`` queues a task and blocks while ``maxsize`` tasks are already waiting (back-pressure: a slow sink
+    slows the loop down rather than buffering without bound). ``flush`` waits until every queued task ran;
+    ``close`` drains the queue and stops the thread. An exception raised by a task is re-raised by the next
+    ``put``, ``flush`` or ``close`` (later tasks are dropped once one failed), so nothing fails silently.
+    ``on_error`` runs on the writer thread when a task raises, before the error is recorded; it may end the
+    process (the worker does that for a superseded attempt)."""
+
+    _STOP = object()
+
+    def __init__(
+        self, maxsize: int = 8, name: str = "collage-writer", on_error: Callable[[BaseException], None] | None = None
+    ) -> None:
+        if maxsize < 1:
+            raise ValueError("maxsize must be at least 1")
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize)
+        self._error: BaseException | None = None
+        self._on_error = on_error
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        _LIVE_WRITERS.add(self)
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            try:
+                if task is self._STOP:
+                    return
+                if self._error is None:
+                    try:
+                        task()
+                    except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller's thread
+                        if self._on_error is not None:
+                            self._on_error(exc)
+                        self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise(self) -> None:
+        error = self._error
+        if error is not None:
+            self._error = None
+            raise error
+
+    def put(self, task: Callable[[], Any]) -> None:
+        """Queue ``task``; blocks while the queue is full. Raises the error of an earlier task, if any."""
+        self._raise()
+        if self._closed:
+            raise RuntimeError("BackgroundWriter is closed")
+        self._queue.put(task)
+
+    def flush(self) -> None:
+        """Wait until every queued task ran; raises the error of a task, if any."""
+        if not self._closed:
+            self._queue.join()
+        self._raise()
+
+    def close(self) -> None:
+        """Run everything still queued, stop the thread (idempotent); raises the error of a task, if any."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(self._STOP)
+                self._thread.join()
+        self._raise()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
 
 @dataclass

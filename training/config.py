@@ -166,6 +166,9 @@ class TrainSettings(_Strict):
     num_iterations: int = Field(1, gt=0, le=BATCH_MAX)
     steps_per_generation: int | None = Field(None, gt=0, le=BATCH_MAX)
     mask_truncated_completions: bool = False
+    # who samples the completions: "hf" (transformers' generate). The seam for vLLM (colocated, weights synced
+    # each step) is training.generation.BACKENDS; no vLLM backend ships until it is built and measured on a GPU
+    generation_backend: Literal["hf"] = "hf"
     gradient_checkpointing: bool = False
     seed: int = Field(0, ge=0, le=SEED_MAX)
     save_steps: int = Field(0, ge=0, le=STEPS_MAX)

@@ -68,3 +68,19 @@ def generate(
             ids.append(row[: cut + 1])
             truncated.append(False)
     return Completions(ids, truncated)
+
+
+# The generation-backend seam (`train.generation_backend`). A backend takes the same arguments as `generate`
+# (the policy model, the encoded prompts already repeated per generation, the family, tokenizer, image-token id,
+# the vision tokens it must never emit, max_completion_length, temperature) and returns `Completions`: the
+# completion ids up to and including EOS and whether each was truncated. A vLLM backend would hold a colocated
+# engine, load the policy's weights into it after every optimizer step, and pass each prompt with its images as
+# multi-modal data; it is not shipped: it needs a GPU to build and to measure.
+BACKENDS = {"hf": generate}
+
+
+def backend(name: str):
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"train.generation_backend: unknown backend {name!r} (known: {', '.join(BACKENDS)})") from None

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .callbacks import Callback, RolloutRow
+from .callbacks import BackgroundWriter, Callback, RolloutRow
 from .config import dump_config
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "events.jsonl")
@@ -29,11 +29,32 @@ def _truncate_after(file: Path, step: int) -> None:
 
 
 class OutputFolder(Callback):
-    def __init__(self, out: str | Path):
+    """Metrics, rollout rows and their images are written by a bounded background writer, in order (PNG
+    encoding of in-memory images happens there too); ``on_end`` drains it, so once ``train()`` returns or raises
+    everything is on disk. Image files are written once per hash (idempotent)."""
+
+    def __init__(self, out: str | Path, queue_size: int = 8):
         self.out = Path(out)
         self.images = self.out / "images"
+        self.queue_size = queue_size
+        self._writer: BackgroundWriter | None = None
+
+    @property
+    def writer(self) -> BackgroundWriter:
+        if self._writer is None or self._writer.closed:
+            self._writer = BackgroundWriter(self.queue_size, name="collage-output-writer")
+        return self._writer
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
     def on_start(self, config: Any, resumed_from_step: int) -> None:
+        self.close()  # a reused folder object: finish the previous run's writes before truncating
         self.out.mkdir(parents=True, exist_ok=True)
         self.images.mkdir(exist_ok=True)
         (self.out / "config.yaml").write_text(dump_config(config), encoding="utf-8")
@@ -50,9 +71,14 @@ class OutputFolder(Callback):
                 fh.write(json.dumps(record, default=str) + "\n")
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self._append("metrics.jsonl", [{"step": step, **metrics}])
+        record = {"step": step, **metrics}
+        self.writer.put(lambda: self._append("metrics.jsonl", [record]))
 
     def on_samples(self, step: int, rows: Sequence[RolloutRow]) -> None:
+        rows = list(rows)
+        self.writer.put(lambda: self._write_samples(rows))
+
+    def _write_samples(self, rows: Sequence[RolloutRow]) -> None:
         for row in rows:
             for image in row.images:
                 path = self.images / f"{image.sha256}.png"
@@ -64,3 +90,6 @@ class OutputFolder(Callback):
 
     def on_event(self, level: str, message: str) -> None:
         self._append("events.jsonl", [{"time": time.time(), "level": level, "message": message}])
+
+    def on_end(self, status: str, error: str | None = None) -> None:
+        self.close()  # success, cancel or failure: everything queued reaches the folder before train() returns

@@ -27,7 +27,6 @@ from .batching.inputs import (
     EncodedPrompt,
     ModelBatch,
     PromptEncoder,
-    _completion_logits,
     collate,
     completion_logprobs_and_entropy,
 )
@@ -35,9 +34,9 @@ from .callbacks import Callback, CallbackList, RolloutImage, RolloutRow
 from .checkpoint import latest_checkpoint, load_model_weights, load_state, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, TrainSettings
 from .data.loader import DatasetError, LoadedDataset, load_dataset
-from .data.rows import RowError, Sample
+from .data.rows import Sample, image_source
 from .errors import CollageError
-from .generation import generate
+from .generation import backend as generation_backend
 from .modeling import prepare_policy, reference_model, trainable_vision_params
 from .models.loading import load_model, load_processor
 from .rewards import Reward, RewardBatch, RewardError, resolve_reward, score
@@ -78,6 +77,15 @@ def _png(image: Any) -> tuple[str, bytes]:
     image.save(buf, format="PNG")
     data = buf.getvalue()
     return hashlib.sha256(data).hexdigest(), data
+
+
+def _rollout_image(image: Any) -> RolloutImage:
+    """A dataset PNG keeps the hash and bytes it was loaded with (nothing encoded or hashed here); any other
+    image is PNG-encoded lazily, by whoever writes the row (the output folder's or the store's writer thread)."""
+    source = image_source(image)
+    if source is not None and source.png is not None:
+        return RolloutImage(source.sha256, source.png, image.width, image.height)
+    return RolloutImage(None, None, image.width, image.height, image=image)
 
 
 class Trainer:
@@ -201,19 +209,15 @@ class Trainer:
         return dataset
 
     def _validate_rows(self) -> None:
-        """The checks of ``collage data check``, on every row, before any compute is spent."""
-        bad: list[RowError] = []
-        self.images_per_row: list[int] = []
-        for item in self.dataset.samples():
-            if isinstance(item, RowError):
-                bad.append(item)
-                continue
-            try:
-                self.encoder.encode(item)
-            except RowError as err:
-                bad.append(err)
-                continue
-            self.images_per_row.append(item.num_images)
+        """The checks of ``collage data check``, on every row, before any compute is spent. The result is cached
+        per dataset fingerprint (see :mod:`training.data.check`), so a start or resume on an unchanged dataset
+        does not decode and encode every row again."""
+        from .data.check import cached_check
+
+        cfg = self.config
+        report = cached_check(self.dataset, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)
+        bad = report.errors
+        self.images_per_row: list[int] = list(report.images_per_row)
         if bad:
             raise TrainingError(
                 str(
@@ -282,9 +286,15 @@ class Trainer:
         return [self.dataset.rows[i].to_sample() for i in mine]
 
     # ------------------------------------------------------- generate + score
-    def _logps(self, model: Any, batch: ModelBatch, entropy: bool = False):
+    def _logps(self, model: Any, batch: ModelBatch, entropy: bool = False, entropy_grad: bool = False):
         return completion_logprobs_and_entropy(
-            model, batch, self.family, self.image_token_id, self.config.train.temperature, entropy=entropy
+            model,
+            batch,
+            self.family,
+            self.image_token_id,
+            self.config.train.temperature,
+            entropy=entropy,
+            entropy_grad=entropy_grad,
         )
 
     @torch.no_grad()
@@ -305,7 +315,7 @@ class Trainer:
         repeated: list[Sample] = [s for s in samples for _ in range(t.num_generations)]
         policy = self.accelerator.unwrap_model(self.model)
         tic = time.perf_counter()
-        completions = generate(
+        completions = generation_backend(t.generation_backend)(
             policy,
             prompts,
             self.family,
@@ -440,8 +450,7 @@ class Trainer:
             for image in sample.images:
                 key = id(image)
                 if key not in cache:
-                    sha, data = _png(image)
-                    cache[key] = RolloutImage(sha, data, image.width, image.height)
+                    cache[key] = _rollout_image(image)
                 images.append(cache[key])
             values = [None if math.isnan(v) else v for v in rewards_per_func[i].tolist()]
             scored = [w * v for w, v in zip(weights, values, strict=True) if v is not None]
@@ -472,10 +481,8 @@ class Trainer:
         """Log-probs and entropies of a micro-batch; the entropies carry gradients when the entropy bonus
         (``entropy_coef``) trains through them."""
         t = self.config.train
-        if self.config.algorithm == "grpo" and t.entropy_coef != 0.0:
-            logits = _completion_logits(self.model, mb, self.family, self.image_token_id)
-            return alg.token_logps_and_entropy(logits, mb.completion_ids, t.temperature)
-        logps, entropy = self._logps(self.model, mb, entropy=True)
+        entropy_grad = self.config.algorithm == "grpo" and t.entropy_coef != 0.0
+        logps, entropy = self._logps(self.model, mb, entropy=True, entropy_grad=entropy_grad)
         assert entropy is not None
         return logps, entropy
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from collage.app.models import RunStatus
 from collage.app.store.writer import ImageIn, SampleIn, StaleAttempt, StoreWriter
-from collage.training.callbacks import Callback, RolloutRow
+from collage.training.callbacks import BackgroundWriter, Callback, RolloutRow
 
 log = logging.getLogger("collage.worker")
 
@@ -38,10 +38,23 @@ def _sample_in(row: RolloutRow) -> SampleIn:
 class StoreCallback(Callback):
     """Writes a run into the store through an attempt-guarded writer: when the attempt stops being current
     (reaped as lost, resumed as a newer attempt, deleted), the next write or heartbeat raises StaleAttempt and
-    the heartbeat thread ends the process at once, within one heartbeat interval."""
+    the heartbeat thread ends the process at once, within one heartbeat interval.
 
-    def __init__(self, writer: StoreWriter, run_id: str, heartbeat_every: float = 5.0, ready_file: str | None = None):
+    Metrics, samples (with their PNG encoding), events, progress and checkpoints go through one bounded
+    :class:`BackgroundWriter`, in the order the trainer reported them (step N's metrics before step N's
+    progress); a StaleAttempt raised there ends the process like the heartbeat does. ``on_end`` drains it."""
+
+    def __init__(
+        self,
+        writer: StoreWriter,
+        run_id: str,
+        heartbeat_every: float = 5.0,
+        ready_file: str | None = None,
+        queue_size: int = 8,
+    ):
         self.writer = writer
+        self.queue_size = queue_size
+        self._background: BackgroundWriter | None = None
         self.run_id = run_id
         self.heartbeat_every = heartbeat_every
         self.ready_file = ready_file
@@ -71,26 +84,50 @@ class StoreCallback(Callback):
     def stop_heartbeat(self) -> None:
         self._stop.set()
 
+    def _stale(self, exc: BaseException) -> None:
+        """Runs on the background writer's thread when a write fails: a superseded attempt stops at once."""
+        if isinstance(exc, StaleAttempt):
+            log.error("run %s: this attempt is no longer current; stopping now", self.run_id)
+            os._exit(EXIT_STALE)  # nothing it would still write may reach the store or the run folder
+
+    @property
+    def background(self) -> BackgroundWriter:
+        if self._background is None or self._background.closed:
+            self._background = BackgroundWriter(self.queue_size, name="collage-store-writer", on_error=self._stale)
+        return self._background
+
+    def flush(self) -> None:
+        if self._background is not None:
+            self._background.flush()
+
+    def close(self) -> None:
+        if self._background is not None:
+            self._background.close()
+
     def on_start(self, config, resumed_from_step: int) -> None:
+        self.close()
         self.writer.begin_attempt(self.run_id, resumed_from_step, config.train.max_steps)
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self.writer.append_metrics(self.run_id, step, metrics)
+        metrics = dict(metrics)
+        self.background.put(lambda: self.writer.append_metrics(self.run_id, step, metrics))
 
     def on_samples(self, step: int, rows: Sequence[RolloutRow]) -> None:
-        self.writer.append_samples(self.run_id, step, [_sample_in(r) for r in rows])
+        rows = list(rows)  # PNG encoding (if any) happens in _sample_in, on the writer thread
+        self.background.put(lambda: self.writer.append_samples(self.run_id, step, [_sample_in(r) for r in rows]))
 
     def on_event(self, level: str, message: str) -> None:
-        self.writer.add_event(self.run_id, level, message)
+        self.background.put(lambda: self.writer.add_event(self.run_id, level, message))
 
     def on_progress(self, step: int, max_steps: int, seconds_per_step: float | None) -> None:
-        self.writer.set_progress(self.run_id, step)
+        self.background.put(lambda: self.writer.set_progress(self.run_id, step))
 
     def on_checkpoint(self, step: int, path: str) -> None:
-        self.writer.add_checkpoint(self.run_id, step, path)
+        self.background.put(lambda: self.writer.add_checkpoint(self.run_id, step, path))
 
     def should_stop(self) -> bool:
         return self.writer.run_status(self.run_id) in (RunStatus.CANCELLING, RunStatus.CANCELLED, None)
 
     def on_end(self, status: str, error: str | None = None) -> None:
         self.final = (status, error)
+        self.close()  # success, cancel or failure: every queued write is in the store before train() returns

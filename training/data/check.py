@@ -1,13 +1,32 @@
-"""Pre-launch validation of a dataset: every bad row named, plus the image and token budget per row."""
+"""Pre-launch validation of a dataset: every bad row named, plus the image and token budget per row.
+
+Reports are cached under ``COLLAGE_HOME/cache/checks/<fingerprint>.json``. The fingerprint covers the dataset's
+files (path, size, mtime, and the content hash of data files up to 1 MiB), the image files its rows name (path,
+size, mtime), the split, the model path and ``max_prompt_length``: a changed dataset misses the cache, an
+unchanged one is not decoded and encoded again (``collage data check`` and every trainer start or resume share
+it). A dataset not read from local files (a hub id) is never cached.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from .loader import load_dataset
+from ..home import collage_home
+from .loader import LoadedDataset, load_dataset
 from .rows import RowError
+
+log = logging.getLogger("collage.training")
+
+CHECK_CACHE_VERSION = 1
+SMALL_FILE = 1 << 20  # data files up to this size are fingerprinted by content, larger ones by size and mtime
 
 
 @dataclass
@@ -69,19 +88,143 @@ def check_dataset(
     split: str = "train",
     model: str | None = None,
     max_prompt_length: int | None = None,
+    use_cache: bool = True,
     **synth_options: Any,
 ) -> CheckReport:
     """Validate every row. Raises :class:`~training.data.loader.DatasetError` only when the source itself
     cannot be read; row problems are collected in the report."""
     dataset = load_dataset(source, split, **synth_options)
-    report = CheckReport(source=source, rows=len(dataset), model=model, max_prompt_length=max_prompt_length)
-    encoder = None
-    if model is not None:
+
+    def encoder() -> Any:
+        if model is None:
+            return None
         from ..batching.inputs import PromptEncoder
         from ..models.loading import load_processor
 
         processor, family = load_processor(model)
-        encoder = PromptEncoder(processor, family, max_prompt_length)
+        return PromptEncoder(processor, family, max_prompt_length)
+
+    return cached_check(dataset, model, max_prompt_length, encoder, use_cache=use_cache)
+
+
+def _stat(path: Path, content: bool) -> list[Any]:
+    try:
+        st = path.stat()
+    except OSError:
+        return [str(path), None]
+    entry: list[Any] = [str(path), st.st_size, st.st_mtime_ns]
+    if content and st.st_size <= SMALL_FILE:
+        entry.append(hashlib.sha256(path.read_bytes()).hexdigest())
+    return entry
+
+
+def dataset_fingerprint(dataset: LoadedDataset, model: str | None, max_prompt_length: int | None) -> str | None:
+    """A hash of everything a check's result depends on, or None when the dataset is not local files."""
+    if dataset.files is None:
+        return None
+    files = [_stat(f.resolve(), content=True) for f in dataset.files]
+    images: list[list[Any]] = []
+    seen: set[Path] = set()
+    for raw in dataset.rows:
+        try:
+            refs = raw.image_refs()
+        except RowError:
+            continue  # the data file's content covers it; the check reports the row
+        for ref in refs:
+            path = ref.get("path") if isinstance(ref, dict) and ref.get("bytes") is None else ref
+            if not isinstance(path, str) or not path:
+                continue  # inline bytes: part of the data file
+            file = Path(path)
+            if not file.is_absolute() and raw.base_dir is not None:
+                file = raw.base_dir / file
+            if file not in seen:
+                seen.add(file)
+                images.append(_stat(file, content=False))
+    models: list[list[Any]] = []
+    if model is not None and Path(model).is_dir():  # a local model: its tokenizer/processor files may change
+        models = [_stat(f, content=False) for f in sorted(Path(model).iterdir()) if f.is_file()]
+    key = {
+        "version": CHECK_CACHE_VERSION,
+        "split": dataset.split,
+        "rows": len(dataset),
+        "files": files,
+        "images": images,
+        "model": model,
+        "model_files": models,
+        "max_prompt_length": max_prompt_length,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_cache_dir() -> Path:
+    return collage_home() / "cache" / "checks"
+
+
+def _report_record(report: CheckReport, fingerprint: str) -> dict[str, Any]:
+    return {
+        "fingerprint": fingerprint,
+        "source": report.source,
+        "rows": report.rows,
+        "errors": [[e.row, e.message] for e in report.errors],
+        "images_per_row": report.images_per_row,
+        "image_tokens_per_row": report.image_tokens_per_row,
+        "prompt_tokens_per_row": report.prompt_tokens_per_row,
+        "truncated_rows": report.truncated_rows,
+        "model": report.model,
+        "max_prompt_length": report.max_prompt_length,
+    }
+
+
+def _load_cached(path: Path, fingerprint: str, source: str) -> CheckReport | None:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("fingerprint") != fingerprint:
+            return None
+        return CheckReport(
+            source=source,
+            rows=int(record["rows"]),
+            errors=[RowError(int(row), str(message)) for row, message in record["errors"]],
+            images_per_row=[int(n) for n in record["images_per_row"]],
+            image_tokens_per_row=[int(n) for n in record["image_tokens_per_row"]],
+            prompt_tokens_per_row=[int(n) for n in record["prompt_tokens_per_row"]],
+            truncated_rows=int(record["truncated_rows"]),
+            model=record["model"],
+            max_prompt_length=record["max_prompt_length"],
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or damaged: check again
+
+
+def cached_check(
+    dataset: LoadedDataset,
+    model: str | None,
+    max_prompt_length: int | None,
+    encoder: Callable[[], Any],
+    use_cache: bool = True,
+) -> CheckReport:
+    """The check report of ``dataset``, from the cache when its fingerprint matches, else computed (``encoder()``
+    gives the prompt encoder, only on a miss) and stored."""
+    fingerprint = dataset_fingerprint(dataset, model, max_prompt_length) if use_cache else None
+    path = check_cache_dir() / f"{fingerprint}.json" if fingerprint else None
+    if path is not None and fingerprint is not None:
+        hit = _load_cached(path, fingerprint, dataset.source)
+        if hit is not None:
+            return hit
+    report = run_check(dataset, model, max_prompt_length, encoder())
+    if path is not None and fingerprint is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(_report_record(report, fingerprint)), encoding="utf-8")
+            tmp.replace(path)
+        except OSError as exc:  # a read-only home only costs the next start a re-check
+            log.warning("could not cache the data check in %s: %s", path.parent, exc)
+    return report
+
+
+def run_check(dataset: LoadedDataset, model: str | None, max_prompt_length: int | None, encoder: Any) -> CheckReport:
+    """Decode every row and, with an ``encoder`` (a PromptEncoder), encode its prompt."""
+    report = CheckReport(source=dataset.source, rows=len(dataset), model=model, max_prompt_length=max_prompt_length)
     for item in dataset.samples():
         if isinstance(item, RowError):
             report.errors.append(item)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ class LoadedDataset:
     source: str
     split: str
     rows: list[RawRow]
+    # the local files the rows were read from (for the ``data check`` cache's fingerprint); None: not local
+    files: list[Path] | None = field(default=None)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -72,32 +74,35 @@ def load_dataset(source: str, split: str = "train", **synth_options: Any) -> Loa
         return load_dataset(str(cached_synth_dataset(source.removeprefix("synth:"), **synth_options)), split)
     path = Path(source).expanduser()
     if path.is_file():
-        return LoadedDataset(source, split, _read_file(path))
+        return LoadedDataset(source, split, _read_file(path), [path])
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-            return LoadedDataset(source, split, _read_saved(path, split))
-        return LoadedDataset(source, split, _read_folder(path, split))
+            saved = sorted(p for p in path.rglob("*") if p.is_file())
+            return LoadedDataset(source, split, _read_saved(path, split), saved)
+        files = _split_files(path, split)
+        rows: list[RawRow] = []
+        for file in files:
+            rows.extend(_read_file(file, offset=len(rows)))
+        return LoadedDataset(source, split, rows, files)
     if source.startswith((".", "/", "~")) or path.suffix in (".jsonl", ".parquet", ".json"):
         raise DatasetError(f"dataset source {source!r} does not exist")
     return LoadedDataset(source, split, _read_hub(source, split))
 
 
-def _read_folder(folder: Path, split: str) -> list[RawRow]:
+def _split_files(folder: Path, split: str) -> list[Path]:
+    """The file(s) of ``split`` in a folder: ``<split>.jsonl``, ``<split>.parquet``, its shards, or the only one."""
     if Path(split).name != split or split in (".", ".."):  # <split>.jsonl must stay inside the folder
         raise DatasetError(f"split {split!r} is a name like train, not a path")
     candidates = [folder / f"{split}.jsonl", folder / f"{split}.parquet"]
     for file in candidates:
         if file.is_file():
-            return _read_file(file)
+            return [file]
     shards = sorted(folder.glob(f"{split}-*.parquet"))
     if shards:
-        rows: list[RawRow] = []
-        for shard in shards:
-            rows.extend(_read_file(shard, offset=len(rows)))
-        return rows
+        return shards
     data_files = sorted([*folder.glob("*.jsonl"), *folder.glob("*.parquet")])
     if len(data_files) == 1:
-        return _read_file(data_files[0])
+        return data_files
     found = ", ".join(p.name for p in data_files) or "no .jsonl or .parquet file"
     raise DatasetError(f"{folder}: no {split}.jsonl or {split}.parquet for split {split!r} (found: {found})")
 

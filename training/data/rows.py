@@ -6,6 +6,7 @@ the trainer report the same thing in the same words.
 
 from __future__ import annotations
 
+import hashlib
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,25 @@ class RowError(CollageError, ValueError):
         super().__init__(f"row {row}: {message}")
         self.row = row
         self.message = message
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """Where a decoded image came from: the SHA-256 of the bytes it was decoded from and, when those bytes are
+    already a PNG, the bytes themselves, so rollout rows can reference the image without re-encoding it."""
+
+    sha256: str
+    png: bytes | None  # the original bytes when they are a PNG, else None
+    format: str | None = None
+
+
+_SOURCE_ATTR = "_collage_source"
+
+
+def image_source(image: Any) -> ImageSource | None:
+    """The :class:`ImageSource` :func:`open_image` attached to ``image``, or None (an image made in memory)."""
+    source = getattr(image, _SOURCE_ATTR, None)
+    return source if isinstance(source, ImageSource) else None
 
 
 @dataclass
@@ -159,9 +179,14 @@ def open_image(row: int, index: int, ref: Any, base_dir: Path | None) -> Image.I
             raise RowError(row, f"{what} has zero size (0 bytes)")
         try:
             image = Image.open(io.BytesIO(data))
+            fmt = image.format
             image.load()
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
             raise RowError(row, f"{what} is unreadable: {exc}") from None
+        # hashed once here, from the bytes already in memory: rollout rows reference this hash (and, for a PNG,
+        # these bytes) instead of re-encoding the decoded image at every step
+        source = ImageSource(hashlib.sha256(data).hexdigest(), bytes(data) if fmt == "PNG" else None, fmt)
+        setattr(image, _SOURCE_ATTR, source)
     if image.width == 0 or image.height == 0:
         raise RowError(row, f"{what} has zero size ({image.width}x{image.height})")
     if image.mode != "RGB":
