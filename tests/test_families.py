@@ -24,7 +24,7 @@ from PIL import Image
 from collage.app.cli import main as cli
 from collage.training.batching.inputs import (
     PromptEncoder,
-    _model_pixels,
+    model_pixels,
     _tiles_in_image_slots,
     collate,
     completion_logprobs,
@@ -299,13 +299,13 @@ def test_tiles_are_dealt_into_image_slots_and_back():
     slots = [_tiles_in_image_slots(p, n) for p, n in zip(per_sample, nums, strict=True)]
     assert all(s["pixel_values"].shape[0] == n for s, n in zip(slots, nums, strict=True) if n)
     joined = join_pixels(IMAGE_INDEXED, slots)
-    assert torch.equal(_model_pixels(joined)["pixel_values"], torch.cat([p["pixel_values"] for p in per_sample if p]))
+    assert torch.equal(model_pixels(joined)["pixel_values"], torch.cat([p["pixel_values"] for p in per_sample if p]))
     order = [4, 0, 5, 1, 3, 2]
     shuffled = select_pixels(IMAGE_INDEXED, joined, nums, order)
     new_nums = [nums[i] for i in order]
     for lo, hi in ((0, 2), (2, 3), (3, 6)):
         want = [per_sample[i]["pixel_values"] for i in order[lo:hi] if per_sample[i]]
-        got = _model_pixels(slice_pixels(IMAGE_INDEXED, shuffled, new_nums, lo, hi))
+        got = model_pixels(slice_pixels(IMAGE_INDEXED, shuffled, new_nums, lo, hi))
         assert torch.equal(got["pixel_values"], torch.cat(want)) if want else got == {}
     with pytest.raises(ValueError, match="at least one tile"):
         _tiles_in_image_slots({"pixel_values": torch.zeros(1, 3, 4, 4)}, 2)

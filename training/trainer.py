@@ -30,12 +30,14 @@ from .batching.inputs import (
     collate,
     completion_logprobs_and_entropy,
 )
+from .batching.vision import POLICY, REFERENCE, SHARED, VisionFeatures
 from .callbacks import Callback, CallbackList, RolloutImage, RolloutRow
 from .checkpoint import latest_checkpoint, load_model_weights, load_state, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, TrainSettings
 from .data.loader import DatasetError, LoadedDataset, load_dataset
 from .data.rows import Sample, image_source
 from .errors import CollageError
+from .generation import Sampling
 from .generation import backend as generation_backend
 from .modeling import prepare_policy, reference_model, trainable_vision_params
 from .models.loading import load_model, load_processor
@@ -162,6 +164,9 @@ class Trainer:
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
         self.vision_params = trainable_vision_params(self.accelerator.unwrap_model(self.model))
+        # each distinct sample's vision features once per generation batch (see training.batching.vision)
+        self.vision = VisionFeatures(self.family)
+        self.images_encoded = 0  # this step's images through the vision tower (cached or with gradients)
 
         self.step = 0
         self.micro = 0
@@ -286,7 +291,28 @@ class Trainer:
         return [self.dataset.rows[i].to_sample() for i in mine]
 
     # ------------------------------------------------------- generate + score
-    def _logps(self, model: Any, batch: ModelBatch, entropy: bool = False, entropy_grad: bool = False):
+    def _scope(self, model: str) -> str | None:
+        """Which cached vision features a pass may use (``None``: encode with gradients, no cache). A frozen
+        vision side is the same function in every pass; a trainable one differs between policy and reference and
+        must run with gradients in the training forward."""
+        if not self.vision_params:
+            return SHARED
+        return {"policy": POLICY, "reference": REFERENCE, "train": None}[model]
+
+    def _encoder_outputs(self, model: Any, batch: ModelBatch, scope: str | None) -> Any | None:
+        if scope is None:
+            self.images_encoded += sum(batch.num_images)
+            return None
+        before = self.vision.images_encoded
+        out = self.vision.encoder_outputs(model, batch, scope)
+        if out is None:  # a batch without cache keys (restored from an older checkpoint): the model encodes it
+            self.images_encoded += sum(batch.num_images)
+        self.images_encoded += self.vision.images_encoded - before
+        return out
+
+    def _logps(
+        self, model: Any, batch: ModelBatch, scope: str | None, entropy: bool = False, entropy_grad: bool = False
+    ):
         return completion_logprobs_and_entropy(
             model,
             batch,
@@ -295,16 +321,21 @@ class Trainer:
             self.config.train.temperature,
             entropy=entropy,
             entropy_grad=entropy_grad,
+            encoder_outputs=self._encoder_outputs(model, batch, scope),
         )
 
     @torch.no_grad()
-    def _batched_logps(self, model: Any, batch: ModelBatch) -> torch.Tensor:
+    def _batched_logps(self, model: Any, batch: ModelBatch, scope: str | None) -> torch.Tensor:
         size = self.config.train.per_device_train_batch_size
         parts = []
         for lo in range(0, batch.batch_size, size):
             part = batch.slice(lo, min(lo + size, batch.batch_size), self.family.layout)
-            parts.append(self._logps(model, part)[0])
+            parts.append(self._logps(model, part, scope)[0])
         return torch.cat(parts)
+
+    def _sampling(self) -> Sampling:
+        t = self.config.train
+        return Sampling(t.temperature, t.top_p, t.top_k, t.min_p, t.repetition_penalty)
 
     def _generate_and_score(self) -> GenerationBatch:
         cfg, t = self.config, self.config.train
@@ -314,16 +345,20 @@ class Trainer:
         prompts: list[EncodedPrompt] = [e for e in encoded for _ in range(t.num_generations)]
         repeated: list[Sample] = [s for s in samples for _ in range(t.num_generations)]
         policy = self.accelerator.unwrap_model(self.model)
+        self.vision.clear()  # features live for one generation batch (the policy moves between batches)
         tic = time.perf_counter()
+        prompt_batch = self._batch_to_device(collate(encoded, self.family, self.tokenizer.pad_token_id))
         completions = generation_backend(t.generation_backend)(
             policy,
-            prompts,
+            prompt_batch,
+            t.num_generations,
             self.family,
             self.tokenizer,
             self.image_token_id,
             self.encoder.protected,
             t.max_completion_length,
-            t.temperature,
+            self._sampling(),
+            self._encoder_outputs(policy, prompt_batch, self._scope("policy")),
         )
         self.timings["timing/generation"] += time.perf_counter() - tic
         batch = collate(prompts, self.family, self.tokenizer.pad_token_id, completions.ids, self.encoder.protected)
@@ -336,14 +371,14 @@ class Trainer:
         generate_every = t.generation_steps * t.num_iterations
         old_logps = None
         if t.gradient_accumulation_steps % generate_every != 0 or (cfg.algorithm == "rloo" and t.beta > 0):
-            old_logps = self._batched_logps(self.model, batch)
+            old_logps = self._batched_logps(self.model, batch, self._scope("policy"))
         ref_logps = None
         if t.beta > 0:
             if self.uses_lora:
                 with policy.disable_adapter():
-                    ref_logps = self._batched_logps(self.model, batch)
+                    ref_logps = self._batched_logps(self.model, batch, self._scope("reference"))
             else:
-                ref_logps = self._batched_logps(self.ref_model, batch)
+                ref_logps = self._batched_logps(self.ref_model, batch, self._scope("reference"))
 
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
         columns = {k: [s.columns.get(k) for s in repeated] for k in sorted({k for s in repeated for k in s.columns})}
@@ -482,7 +517,7 @@ class Trainer:
         (``entropy_coef``) trains through them."""
         t = self.config.train
         entropy_grad = self.config.algorithm == "grpo" and t.entropy_coef != 0.0
-        logps, entropy = self._logps(self.model, mb, entropy=True, entropy_grad=entropy_grad)
+        logps, entropy = self._logps(self.model, mb, self._scope("train"), entropy=True, entropy_grad=entropy_grad)
         assert entropy is not None
         return logps, entropy
 
@@ -648,6 +683,7 @@ class Trainer:
                 rows: list[RolloutRow] = []
                 lr = self.scheduler.get_last_lr()[0]
                 self.timings = _zero_timings()
+                self.images_encoded = 0
                 self.model.train()
                 for a in range(t.gradient_accumulation_steps):
                     if self.micro % generate_every == 0 or self.buffer is None:
@@ -676,6 +712,7 @@ class Trainer:
                 metrics["grad_norm"] = _f(grad_norm)
                 metrics["step_time"] = time.monotonic() - tic
                 metrics.update(self.timings)  # where the step's time went: sampling, scoring, forward+backward
+                metrics["vision/images_encoded"] = self._global_sum(self.images_encoded)
                 metrics = self._reduce_metrics(metrics)
                 history.append(metrics)
                 callbacks.on_metrics(self.step, metrics)
@@ -702,6 +739,12 @@ class Trainer:
             raise
         callbacks.on_end(status)
         return TrainResult(status, self.step, history)
+
+    def _global_sum(self, value: float) -> float:
+        if self.world == 1:
+            return float(value)
+        total = torch.tensor([float(value)], device=self.accelerator.device)
+        return float(self.accelerator.reduce(total, reduction="sum").item())
 
     def _stop_requested(self, callbacks: CallbackList) -> bool:
         flag = torch.tensor([1.0 if callbacks.should_stop() else 0.0], device=self.accelerator.device)

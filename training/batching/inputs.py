@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 
 from ..data.rows import RowError, Sample
 from ..models.families import GRID, Family
-from .layouts import Pixels, join_pixels, select_pixels, slice_pixels
+from .layouts import Pixels, join_pixels, pixel_key, select_pixels, slice_pixels
 
 
 class PromptTooLongError(RowError):
@@ -32,6 +32,7 @@ class EncodedPrompt:
     num_images: int
     num_image_tokens: int  # every vision token of the prompt (image pads and their markers)
     truncated_tokens: int = 0  # text tokens removed to fit max_prompt_length
+    image_key: str | None = None  # content hash of ``pixels`` (see training.batching.vision); None without images
 
 
 def vision_token_ids(tokenizer: Any, family: Family) -> set[int]:
@@ -137,7 +138,8 @@ class PromptEncoder:
         dropped = 0
         if self.max_prompt_length is not None:
             ids, dropped = truncate_text_only(ids, span, self.max_prompt_length, sample.row)
-        return EncodedPrompt(sample.row, ids, pixels, len(sample.images), n_vision, dropped)
+        n = len(sample.images)
+        return EncodedPrompt(sample.row, ids, pixels, n, n_vision, dropped, pixel_key(pixels, n))
 
 
 @dataclass
@@ -151,6 +153,7 @@ class ModelBatch:
     pixels: Pixels
     num_images: list[int]
     rows: list[int] = field(default_factory=list)
+    image_keys: list[str | None] = field(default_factory=list)  # per sample: its EncodedPrompt.image_key
 
     @property
     def batch_size(self) -> int:
@@ -160,27 +163,29 @@ class ModelBatch:
     def completion_ids(self) -> torch.Tensor:
         return self.input_ids[:, self.prompt_length :]
 
-    def _take(self, index: torch.Tensor | slice, pixels: Pixels, num_images: list[int], rows: list[int]):
+    def _take(self, index: torch.Tensor | slice, pixels: Pixels, samples: Sequence[int]):
+        keys = getattr(self, "image_keys", [])  # absent from a batch pickled by an older version
         return replace(
             self,
             input_ids=self.input_ids[index],
             attention_mask=self.attention_mask[index],
             completion_mask=self.completion_mask[index],
             pixels=pixels,
-            num_images=num_images,
-            rows=rows,
+            num_images=[self.num_images[i] for i in samples],
+            rows=[self.rows[i] for i in samples],
+            image_keys=[keys[i] for i in samples] if keys else [],
         )
 
     def slice(self, start: int, end: int, layout: str) -> ModelBatch:
         """The contiguous micro-batch ``[start, end)``, each sample's pixels with it."""
         pixels = slice_pixels(layout, self.pixels, self.num_images, start, end)
-        return self._take(slice(start, end), pixels, self.num_images[start:end], self.rows[start:end])
+        return self._take(slice(start, end), pixels, range(start, end))
 
     def select(self, order: Sequence[int], layout: str) -> ModelBatch:
         """Samples in a new order (a shuffle, or a subset)."""
         pixels = select_pixels(layout, self.pixels, self.num_images, order)
         index = torch.as_tensor(list(order), dtype=torch.long)
-        return self._take(index, pixels, [self.num_images[i] for i in order], [self.rows[i] for i in order])
+        return self._take(index, pixels, order)
 
 
 def collate(
@@ -226,6 +231,7 @@ def collate(
         pixels=pixels,
         num_images=[p.num_images for p in prompts],
         rows=[p.row for p in prompts],
+        image_keys=[p.image_key for p in prompts],
     )
 
 
@@ -238,7 +244,7 @@ def _tiles_in_image_slots(pixels: Pixels, num_images: int) -> Pixels:
     InternVL (dynamic tiling) and Gemma 3 (pan-and-scan crops) return ``pixel_values`` as ``(tiles, 3, H, W)``: a
     variable number of tiles per image, so cutting it by image counts would hand one sample's tiles to another.
     The sample's tiles, in order, are dealt into ``num_images`` slots of ``ceil(tiles / num_images)`` (zero-padded;
-    ``TILE_COUNTS`` says how many of a slot are real) and :func:`_model_pixels` concatenates them back. Slots are
+    ``TILE_COUNTS`` says how many of a slot are real) and :func:`model_pixels` concatenates them back. Slots are
     a carrier, not images: the model only needs every tile once, in order.
     """
     if not pixels:
@@ -258,7 +264,7 @@ def _tiles_in_image_slots(pixels: Pixels, num_images: int) -> Pixels:
     return out
 
 
-def _model_pixels(pixels: Pixels) -> Pixels:
+def model_pixels(pixels: Pixels) -> Pixels:
     """The batch pixels as the model takes them (a tiled family's slots concatenated back into tiles)."""
     if TILE_COUNTS not in pixels:
         return dict(pixels)
@@ -280,8 +286,23 @@ def _extra_inputs(ids: torch.Tensor, batch: ModelBatch, family: Family, image_to
     return extra
 
 
-def forward_kwargs(batch: ModelBatch, family: Family, image_token_id: int) -> dict[str, Any]:
-    """Keyword arguments for ``model(**kwargs)`` on this batch.
+def _vision_inputs(batch: ModelBatch, encoder_outputs: Any | None) -> dict[str, Any]:
+    """The batch's image inputs: its pixels, or with ``encoder_outputs`` (the vision encoder's output for exactly
+    these samples, see :mod:`training.batching.vision`) those instead of the pixel tensors, so the tower does not
+    run again. What the forward needs besides the features (Qwen-VL's ``image_grid_thw`` for its 3-D positions,
+    LLaVA-NeXT's ``image_sizes``) stays."""
+    pixels = model_pixels(batch.pixels)
+    if encoder_outputs is None or not pixels:
+        return pixels
+    kept = {k: v for k, v in pixels.items() if k not in ("pixel_values", "pixel_attention_mask")}
+    return {**kept, "mm_encoder_outputs": {"image": encoder_outputs}}
+
+
+def forward_kwargs(
+    batch: ModelBatch, family: Family, image_token_id: int, encoder_outputs: Any | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for ``model(**kwargs)`` on this batch (``encoder_outputs``: its images' features, already
+    computed).
 
     Position ids must follow the attention mask, not the raw index, or left padding shifts every position.
     Qwen-VL computes its 3-D positions from ``mm_token_type_ids`` and the mask itself, when there are images;
@@ -290,7 +311,7 @@ def forward_kwargs(batch: ModelBatch, family: Family, image_token_id: int) -> di
     kwargs: dict[str, Any] = {
         "input_ids": batch.input_ids,
         "attention_mask": batch.attention_mask,
-        **_model_pixels(batch.pixels),
+        **_vision_inputs(batch, encoder_outputs),
         **_extra_inputs(batch.input_ids, batch, family, image_token_id),
     }
     if family.layout == GRID:
@@ -302,8 +323,10 @@ def forward_kwargs(batch: ModelBatch, family: Family, image_token_id: int) -> di
     return kwargs
 
 
-def generation_kwargs(batch: ModelBatch, family: Family, image_token_id: int) -> dict[str, Any]:
-    """Keyword arguments for ``model.generate`` on the prompt part of ``batch``.
+def generation_kwargs(
+    batch: ModelBatch, family: Family, image_token_id: int, encoder_outputs: Any | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for ``model.generate`` (or a prefill forward) on the prompt part of ``batch``.
 
     ``generate`` derives positions from the attention mask itself (left padding included), so no position ids.
     """
@@ -312,7 +335,7 @@ def generation_kwargs(batch: ModelBatch, family: Family, image_token_id: int) ->
     kwargs: dict[str, Any] = {
         "input_ids": ids,
         "attention_mask": batch.attention_mask[:, prompt],
-        **_model_pixels(batch.pixels),
+        **_vision_inputs(batch, encoder_outputs),
         **_extra_inputs(ids, batch, family, image_token_id),
     }
     if family.layout == GRID:
@@ -331,7 +354,7 @@ def _completion_logits(model: Any, batch: ModelBatch, family: Family, image_toke
 LOGPROB_CHUNK = 256  # completion tokens whose (chunk, V) fp32 logits exist at a time in the chunked path
 
 
-def _base_model(model: Any) -> Any:
+def base_model(model: Any) -> Any:
     """The ``*ForConditionalGeneration`` under DDP/accelerate (``.module``) and PEFT (``get_base_model``)."""
     while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
@@ -342,7 +365,7 @@ def _base_model(model: Any) -> Any:
 
 def _lm_head_slot(model: Any) -> tuple[Any, str, torch.nn.Module]:
     """``(owner, attribute, head)``: where the model keeps the module that turns hidden states into logits."""
-    base = _base_model(model)
+    base = base_model(model)
     head = base.get_output_embeddings()
     for name, child in base.named_children():
         if child is head:
@@ -350,7 +373,9 @@ def _lm_head_slot(model: Any) -> tuple[Any, str, torch.nn.Module]:
     raise TypeError(f"{type(base).__name__}: no output embedding module among its children")
 
 
-def _completion_hidden(model: Any, batch: ModelBatch, family: Family, image_token_id: int) -> tuple[torch.Tensor, Any]:
+def _completion_hidden(
+    model: Any, batch: ModelBatch, family: Family, image_token_id: int, encoder_outputs: Any | None = None
+) -> tuple[torch.Tensor, Any]:
     """Final hidden states that predict each completion token, ``(B, C, H)``, and the LM head.
 
     The model's own forward runs (through any DDP/PEFT wrapper, so gradient sync and adapters still apply) with
@@ -360,7 +385,7 @@ def _completion_hidden(model: Any, batch: ModelBatch, family: Family, image_toke
     """
     owner, name, head = _lm_head_slot(model)
     c_len = batch.input_ids.shape[1] - batch.prompt_length
-    kwargs = forward_kwargs(batch, family, image_token_id)
+    kwargs = forward_kwargs(batch, family, image_token_id, encoder_outputs)
     setattr(owner, name, torch.nn.Identity())
     try:
         hidden = model(**kwargs, logits_to_keep=c_len + 1).logits[:, :-1, :]
@@ -447,11 +472,13 @@ def completion_logprobs_and_entropy(
     entropy: bool = True,
     entropy_grad: bool = False,
     chunk_size: int = LOGPROB_CHUNK,
+    encoder_outputs: Any | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logps, entropies)`` of the completion tokens under ``softmax(logits / temperature)``, each ``(B, C)``.
 
     Computed from the final hidden states, ``chunk_size`` tokens at a time through the LM head (never the whole
     ``(B, C, V)`` logits; see ``chunked_logps_and_entropy``). The log-probs carry gradients when grad is
-    enabled; the entropies only with ``entropy_grad`` (the entropy bonus trains through them)."""
-    hidden, head = _completion_hidden(model, batch, family, image_token_id)
+    enabled; the entropies only with ``entropy_grad`` (the entropy bonus trains through them). ``encoder_outputs``:
+    the batch's vision features when already computed (:mod:`training.batching.vision`)."""
+    hidden, head = _completion_hidden(model, batch, family, image_token_id, encoder_outputs)
     return chunked_logps_and_entropy(hidden, batch.completion_ids, head, temperature, entropy, entropy_grad, chunk_size)

@@ -17,6 +17,7 @@ takes. ``num_images[s]`` is the image count of sample ``s``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -158,3 +159,17 @@ def select_pixels(layout: str, pixels: Pixels, num_images: Sequence[int], order:
     """Re-order (or sub-select) samples: the result's sample ``j`` is the input's sample ``order[j]``."""
     parts = split_pixels(layout, pixels, num_images)
     return join_pixels(layout, [parts[i] for i in order])
+
+
+def pixel_key(pixels: Pixels, num_images: int) -> str | None:
+    """A content hash of one sample's pixel inputs (every tensor's dtype, shape and bytes) and its image count
+    (LLaVA-OneVision encodes a lone image differently from one among several); ``None`` without images."""
+    if not pixels:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(str(num_images).encode())
+    for name in sorted(pixels):
+        tensor = pixels[name].detach().contiguous().cpu()
+        digest.update(f"|{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()

@@ -1,0 +1,189 @@
+"""The rollout engine on every tiny family: each prompt prefilled once and forked to its group, each distinct
+sample's vision features computed once and reused, with the same samples and the same log-probs as the plain
+path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from collage.training.batching.inputs import (
+    PromptEncoder,
+    collate,
+    completion_logprobs,
+    completion_logprobs_and_entropy,
+    generation_kwargs,
+)
+from collage.training.batching.vision import SHARED, VisionFeatures
+from collage.training.data.loader import load_dataset
+from collage.training.generation import Sampling, eos_ids, generate
+from collage.training.models.families import TINY_FAMILIES
+
+TOL = 1e-5
+
+
+def _plain_generate(model, processor, fam, image_id, prompts, g, sampling, max_new, protected):
+    """HF ``generate`` on the prompts repeated ``g`` times: every row prefilled on its own."""
+    pad = processor.tokenizer.pad_token_id
+    batch = collate([p for p in prompts for _ in range(g)], fam, pad)
+    out = model.generate(
+        **generation_kwargs(batch, fam, image_id),
+        do_sample=True,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        max_new_tokens=max_new,
+        pad_token_id=pad,
+        eos_token_id=sorted(eos_ids(model, processor.tokenizer)),
+        suppress_tokens=sorted(protected) or None,
+    )
+    return out[:, batch.prompt_length :].tolist()
+
+
+def _cut(rows, stop, max_new):
+    out = []
+    for row in rows:
+        end = next((i for i, t in enumerate(row) if t in stop), None)
+        out.append(row[:max_new] if end is None else row[: end + 1])
+    return out
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_p=0.9, top_k=50)])
+def test_prefill_once_samples_what_generate_samples_row_by_row(tiny, family, count_red_dir, sampling):
+    """The same seed gives the same completions whether each of the G rows of a group is prefilled on its own
+    (HF ``generate`` on the repeated prompts) or the prompt is prefilled once and its KV cache forked; the
+    prompts mix text-only rows and rows of 1..3 images, and come out prompt-major."""
+    model, processor, fam = tiny(family)
+    encoder = PromptEncoder(processor, fam)
+    samples = [load_dataset(str(count_red_dir)).load_all()[i] for i in (0, 5, 7, 11)]
+    assert 0 in [s.num_images for s in samples] and max(s.num_images for s in samples) >= 2
+    prompts = [encoder.encode(s) for s in samples]
+    g, max_new = 3, 6
+    pad = processor.tokenizer.pad_token_id
+    with torch.no_grad():
+        torch.manual_seed(11)
+        plain = _plain_generate(model, processor, fam, encoder.image_token_id, prompts, g, sampling, max_new,
+                                encoder.protected)  # fmt: skip
+        torch.manual_seed(11)
+        got = generate(model, collate(prompts, fam, pad), g, fam, processor.tokenizer, encoder.image_token_id,
+                       encoder.protected, max_new, sampling)  # fmt: skip
+    assert len(got.ids) == len(prompts) * g
+    assert got.ids == _cut(plain, eos_ids(model, processor.tokenizer), max_new), family
+    # a group's completions differ from each other (sampling, not one completion copied G times)
+    assert any(len({tuple(c) for c in got.ids[i * g : (i + 1) * g]}) > 1 for i in range(len(prompts)))
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_prefill_once_with_cached_features_matches_greedy_generate(tiny, family, count_red_dir):
+    """Generation from cached vision features (and the cache forked per group) gives the greedy tokens of
+    plain ``generate``: the features reach the right rows."""
+    model, processor, fam = tiny(family)
+    encoder = PromptEncoder(processor, fam)
+    prompts = [encoder.encode(load_dataset(str(count_red_dir)).load_all()[i]) for i in (0, 5, 7, 11)]
+    pad = processor.tokenizer.pad_token_id
+    batch = collate(prompts, fam, pad)
+    cache = VisionFeatures(fam)
+    with torch.no_grad():
+        features = cache.encoder_outputs(model, batch, SHARED)
+        torch.manual_seed(3)
+        got = generate(model, batch, 2, fam, processor.tokenizer, encoder.image_token_id, encoder.protected, 5,
+                       Sampling(temperature=1e-4))  # fmt: skip
+        torch.manual_seed(3)
+        cached = generate(model, batch, 2, fam, processor.tokenizer, encoder.image_token_id, encoder.protected, 5,
+                          Sampling(temperature=1e-4), features)  # fmt: skip
+    assert cached.ids == got.ids, family
+    assert cache.images_encoded == sum(p.num_images for p in prompts)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_cached_features_give_the_same_logprobs_in_shuffled_micro_batches(tiny, family, varied_dir):
+    """Rows of 0..5 images of varied sizes (the families' real tiling and anyres defaults), each repeated as a
+    group, shuffled and cut into micro-batches: log-probs from cached features equal those from pixels, and the
+    tower encodes each distinct row's images exactly once across every micro-batch."""
+    model, processor, fam = tiny(family)
+    encoder = PromptEncoder(processor, fam)
+    samples = load_dataset(str(varied_dir)).load_all()
+    prompts = [encoder.encode(s) for s in samples]
+    g = 3
+    repeated = [p for p in prompts for _ in range(g)]
+    rng = random.Random(2)
+    completions = [[rng.randrange(60, len(processor.tokenizer) - 1) for _ in range(rng.randint(1, 6))]
+                   for _ in repeated]  # fmt: skip
+    batch = collate(repeated, fam, processor.tokenizer.pad_token_id, completions)
+    order = list(range(batch.batch_size))
+    rng.shuffle(order)
+    shuffled = batch.select(order, fam.layout)
+    cache = VisionFeatures(fam)
+    worst = 0.0
+    with torch.no_grad():
+        for lo in range(0, shuffled.batch_size, 4):
+            mb = shuffled.slice(lo, min(lo + 4, shuffled.batch_size), fam.layout)
+            plain = completion_logprobs(model, mb, fam, encoder.image_token_id)
+            features = cache.encoder_outputs(model, mb, SHARED)
+            assert (features is None) == (sum(mb.num_images) == 0)
+            cached = completion_logprobs_and_entropy(
+                model, mb, fam, encoder.image_token_id, entropy=False, encoder_outputs=features
+            )[0]
+            worst = max(worst, ((plain - cached) * mb.completion_mask).abs().max().item())
+    assert worst <= TOL, f"{family}: max |diff| {worst}"
+    assert cache.images_encoded == sum(s.num_images for s in samples), "each distinct row's images once"
+
+
+def test_cached_features_keep_the_gradients_of_the_language_model(tiny, count_red_dir):
+    """With the vision side frozen, the training forward from cached (no-grad) features gives the language
+    model the same gradients as the forward from pixels."""
+    model, processor, fam = tiny("qwen2-vl")
+    encoder = PromptEncoder(processor, fam)
+    samples = [s for s in load_dataset(str(count_red_dir)).load_all() if s.num_images][:3]
+    prompts = [encoder.encode(s) for s in samples]
+    batch = collate(prompts, fam, processor.tokenizer.pad_token_id, [[70, 71, 72]] * 3)
+    params = [p for n, p in model.named_parameters() if "language_model" in n]
+
+    def grads(features):
+        model.zero_grad(set_to_none=True)
+        logps = completion_logprobs_and_entropy(
+            model, batch, fam, encoder.image_token_id, entropy=False, encoder_outputs=features
+        )[0]
+        logps.sum().backward()
+        return [p.grad.clone() for p in params]
+
+    cache = VisionFeatures(fam)
+    with torch.enable_grad():
+        plain = grads(None)
+        cached = grads(cache.encoder_outputs(model, batch, SHARED))
+    model.zero_grad(set_to_none=True)
+    for a, b in zip(plain, cached, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["frozen", "lora", "unfrozen"])
+def test_a_run_logs_the_images_its_vision_tower_encodes(mode):
+    """``vision/images_encoded`` per step: with the vision side frozen (LoRA on the language model or none) each
+    distinct row's images once per generation batch, although every image is in G completions and goes through
+    generation, the old-policy and reference passes and two training forwards. A trainable tower is encoded with
+    gradients in every training forward, and once more for the reference."""
+    from tests.test_training import Recorder, make_config
+
+    from collage.training.trainer import Trainer
+
+    model = {"path": "tiny:qwen2-vl", "dtype": "float32", "freeze_vision": mode != "unfrozen"}
+    if mode == "lora":
+        model["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    train = {"max_steps": 2, "beta": 0.1, "num_iterations": 2, "steps_per_generation": 2, "gradient_accumulation_steps": 4,
+             "per_device_train_batch_size": 4}  # fmt: skip
+    recorder = Recorder()
+    Trainer(make_config(model=model, train=train, dataset={"min_images": 1}), None, [recorder]).train()
+    for step, metrics in recorder.metrics:
+        rows = [r for r in recorder.samples if r.step == step]
+        groups = {r.group: len(r.images) for r in rows}
+        distinct = sum(groups.values())
+        assert distinct > 0 and metrics["num_images"] == 4 * distinct  # G = 4 completions per prompt
+        if mode == "unfrozen":
+            # generation + old policy share one encoding; the reference has its own; each of the two training
+            # forwards (num_iterations) sees every completion's images with gradients
+            assert metrics["vision/images_encoded"] == distinct + distinct + 2 * 4 * distinct, step
+        else:
+            assert metrics["vision/images_encoded"] == distinct, (step, metrics["vision/images_encoded"], distinct)
