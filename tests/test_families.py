@@ -24,11 +24,11 @@ from PIL import Image
 from collage.app.cli import main as cli
 from collage.training.batching.inputs import (
     PromptEncoder,
-    model_pixels,
     _tiles_in_image_slots,
     collate,
     completion_logprobs,
     forward_kwargs,
+    model_pixels,
 )
 from collage.training.data.rows import Sample
 from collage.training.models.families import FAMILIES, IMAGE_INDEXED, TINY_FAMILIES, family_for_model_type

@@ -165,9 +165,8 @@ def test_a_run_logs_the_images_its_vision_tower_encodes(mode):
     distinct row's images once per generation batch, although every image is in G completions and goes through
     generation, the old-policy and reference passes and two training forwards. A trainable tower is encoded with
     gradients in every training forward, and once more for the reference."""
-    from tests.test_training import Recorder, make_config
-
     from collage.training.trainer import Trainer
+    from tests.test_training import Recorder, make_config
 
     model = {"path": "tiny:qwen2-vl", "dtype": "float32", "freeze_vision": mode != "unfrozen"}
     if mode == "lora":
