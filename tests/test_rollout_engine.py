@@ -12,7 +12,6 @@ import torch
 from collage.training.batching.inputs import (
     PromptEncoder,
     collate,
-    completion_logprobs,
     completion_logprobs_and_entropy,
     generation_kwargs,
 )
@@ -98,64 +97,74 @@ def test_prefill_once_with_cached_features_matches_greedy_generate(tiny, family,
     assert cache.images_encoded == sum(p.num_images for p in prompts)
 
 
-@pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_cached_features_give_the_same_logprobs_in_shuffled_micro_batches(tiny, family, varied_dir):
-    """Rows of 0..5 images of varied sizes (the families' real tiling and anyres defaults), each repeated as a
-    group, shuffled and cut into micro-batches: log-probs from cached features equal those from pixels, and the
-    tower encodes each distinct row's images exactly once across every micro-batch."""
-    model, processor, fam = tiny(family)
-    encoder = PromptEncoder(processor, fam)
-    samples = load_dataset(str(varied_dir)).load_all()
+def _grouped_batch(processor, fam, encoder, samples, g, seed):
+    """Each sample's prompt repeated ``g`` times with different random completions, shuffled."""
     prompts = [encoder.encode(s) for s in samples]
-    g = 3
     repeated = [p for p in prompts for _ in range(g)]
-    rng = random.Random(2)
+    rng = random.Random(seed)
     completions = [[rng.randrange(60, len(processor.tokenizer) - 1) for _ in range(rng.randint(1, 6))]
                    for _ in repeated]  # fmt: skip
     batch = collate(repeated, fam, processor.tokenizer.pad_token_id, completions)
     order = list(range(batch.batch_size))
     rng.shuffle(order)
-    shuffled = batch.select(order, fam.layout)
+    return batch.select(order, fam.layout)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("share_prompts", [False, True], ids=["row-by-row", "shared-prompts"])
+def test_cached_features_and_shared_prompts_give_the_same_logprobs(tiny, family, varied_dir, share_prompts):
+    """Rows of 0..5 images of varied sizes (the families' real tiling and anyres defaults), each repeated as a
+    group, shuffled and cut into micro-batches: log-probs and entropies from cached features, with or without each
+    distinct prompt run once, equal the plain row-by-row forward from pixels; the tower encodes each distinct
+    row's images exactly once across every micro-batch."""
+    model, processor, fam = tiny(family)
+    encoder = PromptEncoder(processor, fam)
+    samples = load_dataset(str(varied_dir)).load_all()
+    shuffled = _grouped_batch(processor, fam, encoder, samples, 3, seed=2)
     cache = VisionFeatures(fam)
     worst = 0.0
+    shared_any = False
     with torch.no_grad():
-        for lo in range(0, shuffled.batch_size, 4):
-            mb = shuffled.slice(lo, min(lo + 4, shuffled.batch_size), fam.layout)
-            plain = completion_logprobs(model, mb, fam, encoder.image_token_id)
-            features = cache.encoder_outputs(model, mb, SHARED)
-            assert (features is None) == (sum(mb.num_images) == 0)
-            cached = completion_logprobs_and_entropy(
-                model, mb, fam, encoder.image_token_id, entropy=False, encoder_outputs=features
-            )[0]
-            worst = max(worst, ((plain - cached) * mb.completion_mask).abs().max().item())
+        for lo in range(0, shuffled.batch_size, 6):
+            mb = shuffled.slice(lo, min(lo + 6, shuffled.batch_size), fam.layout)
+            plain, plain_ent = completion_logprobs_and_entropy(model, mb, fam, encoder.image_token_id)
+            got, ent = completion_logprobs_and_entropy(
+                model, mb, fam, encoder.image_token_id, share_prompts=share_prompts,
+                vision=lambda b: cache.encoder_outputs(model, b, SHARED),
+            )  # fmt: skip
+            shared_any |= len({tuple(r) for r in mb.input_ids[:, : mb.prompt_length].tolist()}) < mb.batch_size
+            m = mb.completion_mask
+            worst = max(worst, ((plain - got) * m).abs().max().item(), ((plain_ent - ent) * m).abs().max().item())
     assert worst <= TOL, f"{family}: max |diff| {worst}"
+    assert shared_any, "some micro-batch must hold two rows of one group"
     assert cache.images_encoded == sum(s.num_images for s in samples), "each distinct row's images once"
 
 
-def test_cached_features_keep_the_gradients_of_the_language_model(tiny, count_red_dir):
-    """With the vision side frozen, the training forward from cached (no-grad) features gives the language
-    model the same gradients as the forward from pixels."""
-    model, processor, fam = tiny("qwen2-vl")
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_shared_prompts_and_cached_features_keep_the_gradients(tiny, family, count_red_dir):
+    """With the vision side frozen, the training forward from cached (no-grad) features and each distinct prompt
+    run once gives the language model the same gradients as the row-by-row forward from pixels: every row's
+    gradient flows back into its shared prompt."""
+    model, processor, fam = tiny(family)
     encoder = PromptEncoder(processor, fam)
-    samples = [s for s in load_dataset(str(count_red_dir)).load_all() if s.num_images][:3]
-    prompts = [encoder.encode(s) for s in samples]
-    batch = collate(prompts, fam, processor.tokenizer.pad_token_id, [[70, 71, 72]] * 3)
-    params = [p for n, p in model.named_parameters() if "language_model" in n]
+    samples = [load_dataset(str(count_red_dir)).load_all()[i] for i in (0, 5, 7)]  # 1, 3 and 0 images
+    batch = _grouped_batch(processor, fam, encoder, samples, 3, seed=4)
+    params = [p for n, p in model.named_parameters() if "language_model" in n or "text_model" in n]
+    assert params
 
-    def grads(features):
+    def grads(**kwargs):
         model.zero_grad(set_to_none=True)
-        logps = completion_logprobs_and_entropy(
-            model, batch, fam, encoder.image_token_id, entropy=False, encoder_outputs=features
-        )[0]
-        logps.sum().backward()
+        logps, ent = completion_logprobs_and_entropy(model, batch, fam, encoder.image_token_id, entropy_grad=True,
+                                                     **kwargs)  # fmt: skip
+        ((logps + 0.1 * ent) * batch.completion_mask).sum().backward()
         return [p.grad.clone() for p in params]
 
     cache = VisionFeatures(fam)
     with torch.enable_grad():
-        plain = grads(None)
-        cached = grads(cache.encoder_outputs(model, batch, SHARED))
+        plain = grads()
+        shared = grads(share_prompts=True, vision=lambda b: cache.encoder_outputs(model, b, SHARED))
     model.zero_grad(set_to_none=True)
-    for a, b in zip(plain, cached, strict=True):
+    for a, b in zip(plain, shared, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 

@@ -310,6 +310,14 @@ class Trainer:
         self.images_encoded += self.vision.images_encoded - before
         return out
 
+    def _share_prompts(self) -> bool:
+        """Whether a loss forward runs each distinct prompt once for its group (training.batching.prefix). Not with
+        gradient checkpointing (the checkpointed layers keep no KV cache to share), and with gradients only in a
+        single process: DDP expects one forward per backward."""
+        if self.config.train.gradient_checkpointing:
+            return False
+        return self.world == 1 or not torch.is_grad_enabled()
+
     def _logps(
         self, model: Any, batch: ModelBatch, scope: str | None, entropy: bool = False, entropy_grad: bool = False
     ):
@@ -321,7 +329,8 @@ class Trainer:
             self.config.train.temperature,
             entropy=entropy,
             entropy_grad=entropy_grad,
-            encoder_outputs=self._encoder_outputs(model, batch, scope),
+            vision=lambda part: self._encoder_outputs(model, part, scope),
+            share_prompts=self._share_prompts(),
         )
 
     @torch.no_grad()

@@ -8,7 +8,7 @@ token-type ids cannot drift between the two.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -374,7 +374,12 @@ def _lm_head_slot(model: Any) -> tuple[Any, str, torch.nn.Module]:
 
 
 def _completion_hidden(
-    model: Any, batch: ModelBatch, family: Family, image_token_id: int, encoder_outputs: Any | None = None
+    model: Any,
+    batch: ModelBatch,
+    family: Family,
+    image_token_id: int,
+    vision: Callable[[ModelBatch], Any] | None = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """Final hidden states that predict each completion token, ``(B, C, H)``, and the LM head.
 
@@ -382,13 +387,22 @@ def _completion_hidden(
     its LM head swapped for the identity for the duration of the call: every family's
     ``*ForConditionalGeneration.forward`` computes ``lm_head(slice_logits_to_keep(last_hidden_state))``, so
     ``.logits`` comes back as the kept hidden states and no ``(B, C, V)`` tensor is ever built.
+
+    ``vision``: gives a batch's vision features when they are already computed (:mod:`training.batching.vision`).
+    ``share_prompts``: run each distinct prompt once for all its rows (:mod:`training.batching.prefix`).
     """
+    from .prefix import prompt_groups, shared_prompt_hidden
+
     owner, name, head = _lm_head_slot(model)
     c_len = batch.input_ids.shape[1] - batch.prompt_length
-    kwargs = forward_kwargs(batch, family, image_token_id, encoder_outputs)
+    groups = prompt_groups(batch) if share_prompts and c_len > 0 else None
     setattr(owner, name, torch.nn.Identity())
     try:
-        hidden = model(**kwargs, logits_to_keep=c_len + 1).logits[:, :-1, :]
+        if groups is not None and len(groups[0]) < batch.batch_size:
+            hidden = shared_prompt_hidden(model, batch, family, image_token_id, groups, vision)
+        else:
+            kwargs = forward_kwargs(batch, family, image_token_id, vision(batch) if vision else None)
+            hidden = model(**kwargs, logits_to_keep=c_len + 1).logits[:, :-1, :]
     finally:
         setattr(owner, name, head)
     return hidden, head
@@ -472,13 +486,14 @@ def completion_logprobs_and_entropy(
     entropy: bool = True,
     entropy_grad: bool = False,
     chunk_size: int = LOGPROB_CHUNK,
-    encoder_outputs: Any | None = None,
+    vision: Callable[[ModelBatch], Any] | None = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logps, entropies)`` of the completion tokens under ``softmax(logits / temperature)``, each ``(B, C)``.
 
     Computed from the final hidden states, ``chunk_size`` tokens at a time through the LM head (never the whole
     ``(B, C, V)`` logits; see ``chunked_logps_and_entropy``). The log-probs carry gradients when grad is
-    enabled; the entropies only with ``entropy_grad`` (the entropy bonus trains through them). ``encoder_outputs``:
-    the batch's vision features when already computed (:mod:`training.batching.vision`)."""
-    hidden, head = _completion_hidden(model, batch, family, image_token_id, encoder_outputs)
+    enabled; the entropies only with ``entropy_grad`` (the entropy bonus trains through them). ``vision`` and
+    ``share_prompts``: see :func:`_completion_hidden`."""
+    hidden, head = _completion_hidden(model, batch, family, image_token_id, vision, share_prompts)
     return chunked_logps_and_entropy(hidden, batch.completion_ids, head, temperature, entropy, entropy_grad, chunk_size)
