@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from . import algorithms as alg
+from .batching.buckets import block_micro_batches, bucket_rows, composition_invariant
 from .batching.inputs import (
     EncodedPrompt,
     ModelBatch,
@@ -336,10 +337,12 @@ class Trainer:
     @torch.no_grad()
     def _batched_logps(self, model: Any, batch: ModelBatch, scope: str | None) -> torch.Tensor:
         size = self.config.train.per_device_train_batch_size
+        width = batch.completion_mask.shape[1]
         parts = []
         for lo in range(0, batch.batch_size, size):
-            part = batch.slice(lo, min(lo + size, batch.batch_size), self.family.layout)
-            parts.append(self._logps(model, part, scope)[0])
+            part = batch.slice(lo, min(lo + size, batch.batch_size), self.family.layout).trimmed()
+            logps = self._logps(model, part, scope)[0]
+            parts.append(torch.nn.functional.pad(logps, (0, width - logps.shape[1])))
         return torch.cat(parts)
 
     def _sampling(self) -> Sampling:
@@ -429,8 +432,14 @@ class Trainer:
         )
         rows = self._rollout_rows(repeated, texts, completions, local, rewards_per_func[mine], adv, mine)
 
-        # shuffle before cutting micro-batches so each mixes prompts (and image counts)
+        # shuffle before cutting micro-batches so each mixes prompts (and image counts), as TRL does; then, where
+        # the loss allows, regroup rows within what one optimizer step takes (training.batching.buckets)
         order = torch.randperm(n_local).tolist()
+        if composition_invariant(cfg.algorithm, t.loss_type, t.entropy_coef, t.top_entropy_quantile):
+            block = block_micro_batches(t.gradient_accumulation_steps, t.generation_steps)
+            prompt_lengths = batch.attention_mask[:, : batch.prompt_length].sum(-1).tolist()
+            order = bucket_rows(order, prompt_lengths, [i // t.num_generations for i in range(n_local)],
+                                lengths.tolist(), block * t.per_device_train_batch_size)  # fmt: skip
         shuffled = batch.select(order, self.family.layout)
         pick = torch.as_tensor(order, device=device)
         return GenerationBatch(
@@ -548,10 +557,11 @@ class Trainer:
         cfg, t = self.config, self.config.train
         size = t.per_device_train_batch_size
         lo, hi = index * size, (index + 1) * size
-        mb = gen.batch.slice(lo, hi, self.family.layout)
+        mb = gen.batch.slice(lo, hi, self.family.layout).trimmed()  # padded to its own longest rows only
+        c = mb.completion_mask.shape[1]
         advantages = gen.advantages[lo:hi]
-        old = None if gen.old_logps is None else gen.old_logps[lo:hi]
-        ref = None if gen.ref_logps is None else gen.ref_logps[lo:hi]
+        old = None if gen.old_logps is None else gen.old_logps[lo:hi, :c]
+        ref = None if gen.ref_logps is None else gen.ref_logps[lo:hi, :c]
         mask = mb.completion_mask
         context = torch.enable_grad() if sync else self.accelerator.no_sync(self.model)
         with context:

@@ -176,6 +176,26 @@ class ModelBatch:
             image_keys=[keys[i] for i in samples] if keys else [],
         )
 
+    def trimmed(self) -> ModelBatch:
+        """The batch without the columns that are padding in every row (leading prompt columns, trailing
+        completion columns): a micro-batch cut from a generation batch is otherwise padded to the longest prompt
+        and completion of the whole generation batch. Positions follow the attention mask, so they do not move."""
+        att = self.attention_mask
+        p = self.prompt_length
+        prompt_real = att[:, :p].bool().any(dim=0)
+        lead = int(prompt_real.long().argmax()) if bool(prompt_real.any()) else p
+        tail = att[:, p:].bool().any(dim=0) | self.completion_mask.bool().any(dim=0)
+        c = int(tail.nonzero().max()) + 1 if bool(tail.any()) else 0
+        if lead == 0 and c == att.shape[1] - p:
+            return self
+        return replace(
+            self,
+            input_ids=self.input_ids[:, lead : p + c],
+            attention_mask=att[:, lead : p + c],
+            prompt_length=p - lead,
+            completion_mask=self.completion_mask[:, :c],
+        )
+
     def slice(self, start: int, end: int, layout: str) -> ModelBatch:
         """The contiguous micro-batch ``[start, end)``, each sample's pixels with it."""
         pixels = slice_pixels(layout, self.pixels, self.num_images, start, end)
