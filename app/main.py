@@ -99,9 +99,9 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
             return validation_response([("body", "nested too deeply to parse (at most 32 levels are allowed)")])
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=exc.headers)
 
-    from .routers import catalog, datasets, health, images, runs, samples, tokens
+    from .routers import catalog, datasets, health, images, runs, samples, stats, tokens, workers
 
-    routers = (health, runs, samples, images, datasets, catalog, tokens)
+    routers = (health, runs, samples, stats, images, datasets, catalog, tokens, workers)
     for router in (module.router for module in routers):
         app.include_router(router, prefix=API)
     from .web import pages

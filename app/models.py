@@ -47,6 +47,7 @@ class Run(SQLModel, table=True):
     parent_id: str | None = Field(
         default=None, sa_column=Column(String(32), ForeignKey("runs.id", ondelete="SET NULL"), nullable=True)
     )
+    notes: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # free text, editable (0006)
 
 
 class RunTag(SQLModel, table=True):
@@ -118,6 +119,8 @@ class Sample(SQLModel, table=True):
     group_std: float | None = None
     zero_std: bool = False
     dataset_row: int | None = None
+    # the dataset row's scalar columns besides the prompt and images (`answer`, ...), for judging a reward (0006)
+    columns: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class Image(SQLModel, table=True):
@@ -225,6 +228,8 @@ class Worker(SQLModel, table=True):
     current_run_id: str | None = Field(default=None, max_length=32)
     started_at: datetime = Field(default_factory=utcnow)
     last_seen: datetime = Field(default_factory=utcnow)
+    # per visible GPU: {"index", "name", "memory_total_mb", "memory_used_mb", "utilization"} when known (0006)
+    gpu_info: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class MetricRollup(SQLModel, table=True):

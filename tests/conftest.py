@@ -230,3 +230,8 @@ def api(database_url, tmp_path):
     token = create_token(engine_for(database_url), "tests", role="admin")
     client = TestClient(app, headers={"Authorization": f"Bearer {token}"})
     return client, token, dispatcher, app
+
+
+# the browser tests' fixtures (a `collage serve` per module, Chromium, a logged-in page): every dashboard test module
+# may ask for them by name; see tests/dashboard_support.py
+from .dashboard_support import browser, page, server  # noqa: E402, F401

@@ -607,7 +607,7 @@ def test_db_upgrade_and_token_create_cli(tmp_path):
     early = run("token", "create", "me")
     assert early.returncode == 2 and "collage db upgrade" in early.stderr
     up = run("db", "upgrade")
-    assert up.returncode == 0 and "is at migration 0005" in up.stdout
+    assert up.returncode == 0 and "is at migration 0006" in up.stdout
     assert run("db", "upgrade").returncode == 0  # idempotent
     made = run("token", "create", "me")
     assert made.returncode == 0 and made.stdout.strip().startswith("clg_") and "shown only this once" in made.stderr
