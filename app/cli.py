@@ -206,8 +206,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from collage.training.output import OutputFolder
 
     bar = ProgressBar(enabled=not args.quiet)
+    folder = OutputFolder(out)
+    callbacks: list = [folder, bar]
+    if config.logging.report_to:  # mirrored as a worker mirrors (worker/trackers.py); a tracker never fails the run
+        from collage.worker.trackers import TrackersCallback
+
+        def warn(message: str) -> None:
+            folder.on_event("warning", message)
+            print(f"collage: warning: {message}", file=sys.stderr)
+
+        callbacks.append(TrackersCallback(config.logging.report_to, warn))
     try:
-        result = Trainer(config, out, [OutputFolder(out), bar], resume=args.resume).train()
+        result = Trainer(config, out, callbacks, resume=args.resume).train()
     finally:
         bar.close()
     print(f"run {config.name} {result.status} at step {result.step}; output in {out}")

@@ -28,6 +28,8 @@ EXTRA_OF_MODULE = {
     "num2words": "worker",
     "psycopg": "postgres",
     "redis": "redis",
+    "trackio": "trackers",
+    "wandb": "trackers",
 }
 
 # what each extra must make importable, checked before a command starts work it cannot finish
@@ -36,6 +38,7 @@ EXTRA_MODULES = {
     "worker": ("torch", "torchvision", "transformers", "accelerate", "peft", "datasets"),
     "postgres": ("psycopg",),
     "redis": ("redis",),
+    "trackers": ("trackio", "wandb"),  # a worker without it mirrors nothing and says so on the run (one warning)
 }
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collage.training.config import error_message, error_path, format_errors
@@ -49,7 +49,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         version=collage_version(),
         description="Launch, run and inspect GRPO/RLOO fine-tuning of multi-image VLMs.",
         openapi_url=f"{API}/openapi.json",
-        docs_url=f"{API}/docs",
+        docs_url=None,  # served below from the vendored Swagger UI: the docs work offline
         redoc_url=None,
     )
     app.state.settings = settings
@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
 
     app.state.secret = session_secret(Path(settings.home))
     app.state.cursor_key = app.state.secret.encode()  # signs API cursors (HMAC)
-    app.add_middleware(SecurityHeaders, docs_prefix=f"{API}/docs")
+    app.add_middleware(SecurityHeaders)
     # behind a TLS proxy listed in COLLAGE_FORWARDED_ALLOW_IPS, X-Forwarded-Proto makes the request https (Secure
     # cookies); anyone else's forwarded headers are ignored
     app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
@@ -104,7 +104,62 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     routers = (health, runs, samples, stats, images, datasets, catalog, tokens, workers)
     for router in (module.router for module in routers):
         app.include_router(router, prefix=API)
+
+    # the token check is a plain function (app/auth.py), so the schema would not say that routes take a bearer
+    # token: declared here, Swagger UI shows its Authorize button and sends the token with "Try it out"
+    plain_openapi = app.openapi
+
+    def openapi_with_bearer() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = plain_openapi()
+            schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+            schemes["bearer"] = {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "an API token (collage token create)",
+            }
+            for path, item in schema["paths"].items():
+                for operation in item.values():
+                    if path != f"{API}/health" and isinstance(operation, dict):
+                        operation.setdefault("security", [{"bearer": []}])
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi_with_bearer  # type: ignore[method-assign]
+
+    @app.get(f"{API}/docs", include_in_schema=False)
+    def api_docs() -> HTMLResponse:
+        return HTMLResponse(api_docs_html(app.title, app.openapi_url or f"{API}/openapi.json"))
+
     from .web import pages
 
     app.include_router(pages.router)
     return app
+
+
+SWAGGER_UI = "/static/vendor/swagger-ui-5.35.0"
+
+
+def api_docs_html(title: str, openapi_url: str) -> str:
+    """The interactive API docs (Swagger UI), every file served by Collage itself: no CDN, no inline script (the
+    bootstrap is /static/api-docs.js), so the page works offline under the same Content-Security-Policy as the
+    dashboard."""
+    from html import escape
+
+    return f"""<!doctype html>
+<html lang="en">
+<head>
+  <meta charset="utf-8">
+  <meta name="viewport" content="width=device-width, initial-scale=1">
+  <title>{escape(title)} API · Swagger UI</title>
+  <script src="/static/theme.js"></script>
+  <link rel="icon" type="image/png" href="{SWAGGER_UI}/favicon-32x32.png">
+  <link rel="stylesheet" href="{SWAGGER_UI}/swagger-ui.css">
+  <script src="{SWAGGER_UI}/swagger-ui-bundle.js" defer></script>
+  <script src="/static/api-docs.js" defer></script>
+</head>
+<body>
+  <div id="swagger-ui" data-openapi-url="{escape(openapi_url)}"></div>
+</body>
+</html>
+"""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from collage.training.config import IMAGES_MAX, JSON_MAX_DEPTH, SEED_MAX, TOKENS_MAX, json_problem, no_nul
 
@@ -57,6 +57,15 @@ class RunOut(BaseModel):
     latest_reward: float | None = None
     url: str
     config: dict[str, Any] | None = None
+    notes: str | None = Field(None, description="free text, editable after launch (PATCH /runs/{id})")
+    queue_position: int | None = Field(
+        None, description="queued runs only: 1-based place among the queued runs of the same resources.queue"
+    )
+    queue_estimate_s: float | None = Field(
+        None,
+        description="queued runs only: estimated seconds until a worker takes the run, from the live workers of "
+        "its queue and recent runs' durations; null when there is no basis (no live worker, no finished run)",
+    )
 
 
 class RunPage(BaseModel):
@@ -116,6 +125,11 @@ class SampleOut(BaseModel):
     group_std: float | None
     zero_std: bool
     dataset_row: int | None
+    columns: dict[str, str | int | float | bool | None] = Field(
+        default_factory=dict,
+        description="the dataset row's scalar columns besides the prompt and images (answer, ...); text cut at "
+        "1,000 characters",
+    )
 
 
 class SamplePage(BaseModel):
@@ -133,6 +147,23 @@ class EventOut(BaseModel):
 class EventPage(BaseModel):
     items: list[EventOut]
     last_id: int | None
+
+
+NOTES_MAX = 10_000
+
+
+def _tag_without_nul(value: str) -> str:
+    no_nul(value)
+    return value
+
+
+class RunEdit(_Request):
+    """``PATCH /runs/{id}``: the tags and notes of a run, editable at any time. Absent keys stay as they are."""
+
+    tags: list[Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_tag_without_nul)]] | None = Field(
+        None, max_length=50, description="replaces the run's tags (the config's limits: 1-100 chars, 50 tags)"
+    )
+    notes: str | None = Field(None, max_length=NOTES_MAX, description="free text up to 10,000 characters")
 
 
 class DatasetCheckRequest(_Request):
@@ -182,6 +213,7 @@ class PreviewRow(BaseModel):
 class DatasetPreviewOut(BaseModel):
     source: str
     rows: list[PreviewRow]
+    total_rows: int | None = Field(None, description="rows in the split (the preview shows the first ones)")
 
 
 class RewardInfo(BaseModel):
@@ -207,6 +239,41 @@ class ModelsOut(BaseModel):
     families: list[FamilyInfo]
     tiny: list[str]
     local: list[str]
+
+
+class GpuInfo(BaseModel):
+    index: int
+    name: str
+    memory_total_mb: int | None = None
+    memory_used_mb: int | None = None
+    utilization: int | None = Field(None, description="percent, as nvidia-smi reports it")
+
+
+class WorkerRun(BaseModel):
+    id: str
+    name: str | None
+    status: str | None
+    url: str
+
+
+class WorkerOut(BaseModel):
+    name: str
+    hostname: str
+    pid: int
+    queues: list[str]
+    gpu_slots: list[int] = Field(description="the GPU indices of this worker's slot; empty = trains on the CPU")
+    gpus: list[GpuInfo] | None = Field(
+        None, description="model, memory and utilisation of the slot's GPUs; null when none or unknown"
+    )
+    current_run: WorkerRun | None
+    started_at: datetime
+    last_seen: datetime
+    heartbeat_age_s: float = Field(description="seconds since the worker's last heartbeat, as the server saw it")
+
+
+class WorkersOut(BaseModel):
+    items: list[WorkerOut]
+    live_within_s: float = Field(description="workers seen within this many seconds are listed")
 
 
 class HealthOut(BaseModel):

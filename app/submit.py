@@ -58,6 +58,8 @@ def submit(config_path: str, overrides: list[str], server: str | None, token: st
         return 2
     run = response.json()
     print(f"submitted run {run['id']} ({server}{run['url']})", flush=True)
+    # stdout keeps its one line per event for scripts; the page to open in a browser goes to stderr
+    print(f"dashboard: {server}/runs/{run['id']}", file=sys.stderr, flush=True)
     if not follow:
         return 0
     return _follow(client, run["id"])

@@ -274,21 +274,3 @@ def test_option_like_values_are_dataset_names_not_options(api, value):
         client.get(API + "/datasets/preview", params={"source": "synth:count-red", "split": value}),
     ]:
         assert 400 <= response.status_code < 500 and "usage:" not in response.text
-
-
-def test_the_child_gets_client_values_after_double_dash(api, tmp_path, monkeypatch):
-    """The child's own parser reads the client's values as the source and option values, never as options."""
-    from collage.app.cli import build_parser
-    from collage.app.routers import datasets
-
-    client, _, _, _ = api
-    seen: list[list[str]] = []
-    real = datasets._run_cli
-    monkeypatch.setattr(datasets, "_run_cli", lambda args, timeout=600: seen.append(args) or real(args, timeout))
-    (tmp_path / "-h.jsonl").write_text(json.dumps({"prompt": "dash"}) + "\n")
-    source = str(tmp_path / "-h.jsonl")
-    assert client.get(API + "/datasets/preview", params={"source": source}).status_code == 200
-    assert client.post(API + "/datasets/check", json={"source": source, "model": "org/name"}).status_code == 400
-    preview, check = (build_parser().parse_args(args) for args in seen)
-    assert preview.source == source and check.source == source and check.model == "org/name"
-    assert all(args[-2:] == ["--", source] for args in seen)

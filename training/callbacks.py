@@ -10,10 +10,11 @@ import atexit
 import hashlib
 import io
 import logging
+import math
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,9 +176,40 @@ class BackgroundWriter:
         return self._closed
 
 
+COLUMN_TEXT_MAX = 1000  # a dataset column's text is cut to this many characters (then "…") in a rollout row
+COLUMNS_MAX = 64  # at most this many dataset columns per rollout row (the first ones, in the dataset's order)
+
+
+def scalar_columns(columns: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The scalar columns of a dataset row as a rollout row keeps them: str, int, float, bool and None values
+    (anything else, lists and nested objects, is left out); text longer than :data:`COLUMN_TEXT_MAX` characters
+    cut to that many followed by ``…``; NaN and infinities as None (JSON has no such numbers); at most
+    :data:`COLUMNS_MAX` columns. NumPy scalars count as the Python number they hold."""
+    out: dict[str, Any] = {}
+    for key, value in (columns or {}).items():
+        if len(out) >= COLUMNS_MAX:
+            break
+        if not isinstance(key, str) or key in ("prompt", "images", "image"):
+            continue
+        if hasattr(value, "item") and not isinstance(value, str | bytes):  # a NumPy or torch scalar
+            try:
+                value = value.item()
+            except (TypeError, ValueError):  # an array of more than one value: not a scalar
+                continue
+        if value is None or isinstance(value, bool | int):
+            out[key] = value
+        elif isinstance(value, float):
+            out[key] = value if math.isfinite(value) else None
+        elif isinstance(value, str):
+            out[key] = value if len(value) <= COLUMN_TEXT_MAX else value[:COLUMN_TEXT_MAX] + "…"
+    return out
+
+
 @dataclass
 class RolloutRow:
-    """One completion of the rollout table (contract: a rollout row), with its images by content hash."""
+    """One completion of the rollout table (contract: a rollout row), with its images by content hash.
+    ``columns``: the dataset row's scalar columns besides the prompt and images (``answer``, ...), kept as
+    :func:`scalar_columns` says."""
 
     step: int
     group: int
@@ -194,6 +226,14 @@ class RolloutRow:
     group_mean: float | None = None
     group_std: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.columns = scalar_columns(self.columns)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a checkpoint pickled before rows had columns
+        state.setdefault("columns", {})
+        self.__dict__.update(state)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -211,6 +251,7 @@ class RolloutRow:
             "dataset_row": self.row,
             "group_mean": self.group_mean,
             "group_std": self.group_std,
+            "columns": self.columns,
         }
 
 

@@ -213,6 +213,21 @@ class TrainSettings(_Strict):
 
 class LoggingSettings(_Strict):
     samples_every: int = Field(1, ge=0, le=STEPS_MAX)  # 0 = never write rollout rows
+    # TRL's report_to: the trackers a worker mirrors the run to (worker/trackers.py), by name only: where the data
+    # goes is the operator's setting on the worker, never the client's. One name is a one-item list; TRL's "none" is [].
+    report_to: list[Literal["trackio", "wandb", "none"]] = Field(default_factory=list, max_length=8)
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else [] if value is None else value
+
+    @field_validator("report_to")
+    @classmethod
+    def _report_to_names(cls, value: list[str]) -> list[str]:
+        if "none" in value and len(value) > 1:
+            raise ValueError('"none" turns mirroring off: it cannot be listed with trackers')
+        return list(dict.fromkeys(name for name in value if name != "none"))  # in order, each once
 
 
 class ResourceSettings(_Strict):

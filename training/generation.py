@@ -56,7 +56,7 @@ def _prefill(model: Any, kwargs: dict[str, Any], num_generations: int, model_pos
     head = {k: (v[:, :-1] if k in _PER_TOKEN else v) for k, v in kwargs.items()}
     if not model_positions:
         head["position_ids"] = (head["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-    inner = getattr(base_model(model), "model", None)
+    inner: Any = getattr(base_model(model), "model", None)
     has_deltas = hasattr(inner, "rope_deltas")
     if has_deltas:
         inner.rope_deltas = None

@@ -523,6 +523,7 @@ class Trainer:
                     completion_length=len(completions.ids[i]),
                     truncated=completions.truncated[i],
                     row=sample.row,
+                    columns=sample.columns,  # the dataset row's scalar columns (RolloutRow keeps only those)
                     group_mean=_none(adv.group_mean[gi]),
                     group_std=_none(adv.group_std[gi]),
                 )

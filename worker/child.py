@@ -62,10 +62,12 @@ def main(run_id: str, attempt: int) -> int:
     from collage.app.status import ACTIVE, RunStatus
     from collage.app.store.writer import StaleAttempt, StoreWriter
     from collage.app.trust import config_violations
+    from collage.training.callbacks import Callback
     from collage.training.config import parse_config
     from collage.training.trainer import Trainer, TrainingError
 
     from .store_callback import EXIT_STALE, StoreCallback
+    from .trackers import TrackersCallback
 
     settings = get_settings()
     if os.environ.get("COLLAGE_HOME"):  # caches stay where they are after the chdir below
@@ -94,6 +96,7 @@ def main(run_id: str, attempt: int) -> int:
     callback = StoreCallback(
         writer, run_id, heartbeat_every=heartbeat, ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE")
     )
+    trackers: TrackersCallback | None = None
     try:
         if rank == 0:
             callback.start_heartbeat()
@@ -110,10 +113,17 @@ def main(run_id: str, attempt: int) -> int:
         work = out / "cwd"
         work.mkdir(parents=True, exist_ok=True)
         os.chdir(work)
+        callbacks: list[Callback] = [callback] if rank == 0 else []
+        if rank == 0 and config.logging.report_to:
+            # after the store callback: the run has begun in the store before a tracker can warn about anything
+            trackers = TrackersCallback(
+                config.logging.report_to, lambda message: callback.on_event("warning", message), run_id=run_id
+            )
+            callbacks.append(trackers)
         trainer = Trainer(
             config,
             out,
-            [callback] if rank == 0 else [],
+            callbacks,
             resume=newest is not None,
             reward_modules=settings.reward_modules,  # () allows no module: only built-ins and operator paths
         )
@@ -125,6 +135,11 @@ def main(run_id: str, attempt: int) -> int:
     except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero
         return fail("".join(traceback.format_exception(exc)), f"failed: {exc}")
     finally:
+        if trackers is not None:
+            try:  # a tracker's warning from its final flush reaches the store (a stale attempt exits in there)
+                callback.close()
+            except Exception:  # noqa: BLE001 - the outcome is decided; a lost warning is only logged
+                traceback.print_exc()
         callback.stop_heartbeat()
     if rank == 0:
         store.transition(

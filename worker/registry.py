@@ -1,11 +1,19 @@
-"""Workers announce themselves in the store every few seconds: ``GET /health`` lists the live ones."""
+"""Workers announce themselves in the store every few seconds: ``GET /health`` and ``GET /workers`` list the live
+ones, with their GPUs' model, memory and utilisation where the machine can tell (``nvidia-smi``, or ``torch.cuda``
+when the worker already imported torch). The GPU probe runs in its own thread: a slow or missing ``nvidia-smi``
+never delays or fails a heartbeat, and a CPU-only worker reports no GPUs."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.engine import Engine
@@ -15,6 +23,77 @@ from collage.app.db import session_scope
 from collage.app.models import Worker, table_of, utcnow
 from collage.app.store.sql import upsert
 
+log = logging.getLogger("collage.worker")
+
+GPU_PROBE_EVERY = 15.0  # seconds between GPU probes
+GPU_PROBE_TIMEOUT = 10.0
+NVIDIA_SMI_FIELDS = "index,name,memory.total,memory.used,utilization.gpu"
+
+
+def _number(text: str) -> int | None:
+    try:
+        return int(float(text.strip()))
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None
+
+
+def parse_nvidia_smi(output: str) -> list[dict[str, Any]]:
+    """``nvidia-smi --query-gpu=index,name,memory.total,memory.used,utilization.gpu --format=csv,noheader,nounits``
+    lines as gpu_info entries (memory in MiB, utilisation in percent; unknown values ``None``)."""
+    gpus = []
+    for line in output.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 5 or _number(parts[0]) is None:
+            continue
+        index, total, used, util = _number(parts[0]), _number(parts[-3]), _number(parts[-2]), _number(parts[-1])
+        name = ",".join(parts[1:-3]).strip()  # a model name may hold a comma
+        gpus.append({"index": index, "name": name, "memory_total_mb": total, "memory_used_mb": used,
+                     "utilization": util})  # fmt: skip
+    return gpus
+
+
+def _nvidia_smi() -> list[dict[str, Any]] | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    done = subprocess.run(
+        [exe, f"--query-gpu={NVIDIA_SMI_FIELDS}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=GPU_PROBE_TIMEOUT,
+        check=False,
+    )
+    return parse_nvidia_smi(done.stdout) if done.returncode == 0 else None
+
+
+def _torch_cuda() -> list[dict[str, Any]] | None:
+    torch = sys.modules.get("torch")  # never imported for this: that alone takes seconds
+    if torch is None or not torch.cuda.is_available():
+        return None
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        gpus.append({"index": index, "name": props.name, "memory_total_mb": props.total_memory // (1 << 20),
+                     "memory_used_mb": None, "utilization": None})  # fmt: skip
+    return gpus
+
+
+def probe_gpus(slot: list[int]) -> list[dict[str, Any]] | None:
+    """The GPUs of this worker's slot as the machine reports them; ``None`` for a CPU-only worker or when
+    nothing can tell (no nvidia-smi, no CUDA). Never raises."""
+    if not slot:
+        return None
+    for probe in (_nvidia_smi, _torch_cuda):
+        try:
+            found = probe()
+        except Exception as exc:  # noqa: BLE001 - a broken driver or a hung tool: no GPU info, nothing worse
+            log.debug("GPU probe %s failed: %s", probe.__name__, exc)
+            continue
+        if found:
+            mine = [g for g in found if g["index"] in slot]
+            return mine or None
+    return None
+
 
 class Registration(threading.Thread):
     def __init__(self, engine: Engine, name: str, queues: list[str], gpus: list[int], every: float = 5.0):
@@ -22,18 +101,32 @@ class Registration(threading.Thread):
         self.engine, self.name, self.queues, self.gpus, self.every = engine, name, queues, gpus, every
         self.stopped = threading.Event()
         self.current_run: str | None = None
+        self.gpu_info: list[dict[str, Any]] | None = None
+        self.prober = threading.Thread(target=self._probe_loop, name="collage-gpu-probe", daemon=True)
 
     def beat(self) -> None:
         row = {"name": self.name, "hostname": socket.gethostname(), "pid": os.getpid(), "queues": self.queues,
-               "gpus": self.gpus, "current_run_id": self.current_run, "started_at": utcnow(), "last_seen": utcnow()}  # fmt: skip
+               "gpus": self.gpus, "current_run_id": self.current_run, "started_at": utcnow(), "last_seen": utcnow(),
+               "gpu_info": self.gpu_info}  # fmt: skip
         with session_scope(self.engine) as session:
             upsert(
                 session,
                 table_of(Worker),
                 [row],
                 ["name"],
-                ["hostname", "pid", "queues", "gpus", "current_run_id", "last_seen"],
+                ["hostname", "pid", "queues", "gpus", "current_run_id", "last_seen", "gpu_info"],
             )
+
+    def _probe_loop(self) -> None:
+        while True:
+            self.gpu_info = probe_gpus(self.gpus)
+            if self.stopped.wait(GPU_PROBE_EVERY):
+                return
+
+    def start(self) -> None:
+        if self.gpus:  # a CPU-only worker has nothing to probe
+            self.prober.start()
+        super().start()
 
     def set_run(self, run_id: str | None) -> None:
         self.current_run = run_id
@@ -58,7 +151,8 @@ def live_workers(engine: Engine, within: float) -> list[dict]:
         rows = session.scalars(select(Worker).where(col(Worker.last_seen) >= cutoff).order_by(Worker.name)).all()
         return [
             {"name": w.name, "hostname": w.hostname, "pid": w.pid, "queues": w.queues, "gpu_slots": w.gpus,
-             "current_run": w.current_run_id, "last_seen": w.last_seen.isoformat()}
+             "current_run": w.current_run_id, "last_seen": w.last_seen.isoformat(),
+             "started_at": w.started_at.isoformat(), "gpu_info": w.gpu_info}
             for w in rows
         ]  # fmt: skip
 

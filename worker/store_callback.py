@@ -32,6 +32,7 @@ def _sample_in(row: RolloutRow) -> SampleIn:
         group_mean=row.group_mean,
         group_std=row.group_std,
         dataset_row=row.row,
+        columns=row.columns,
     )
 
 

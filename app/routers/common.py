@@ -78,6 +78,7 @@ def run_out(
         latest_reward=latest_reward,
         url=run_url(run.id),
         config=run.config if with_config else None,
+        notes=run.notes,
     )
 
 
@@ -101,4 +102,5 @@ def sample_out(sample: Sample, shas: list[str], sizes: dict[str, tuple[int, int]
         group_std=sample.group_std,
         zero_std=sample.zero_std,
         dataset_row=sample.dataset_row,
+        columns=sample.columns or {},
     )

@@ -5,20 +5,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select
-from sqlmodel import Session
+from sqlalchemy import delete, func, select
+from sqlmodel import Session, col
 
 from collage.training.config import ConfigError, RunConfig, apply_overrides, parse_config
 
 from ..auth import FORBIDDEN, UNAUTHORIZED, check_may_change, require_token
 from ..db import session_scope
-from ..models import ENDED, ApiToken, Metric, Run
-from ..schemas import CloneRequest, ErrorOut, EventOut, EventPage, RunCreated, RunOut, RunPage, ValidationErrorOut
+from ..models import ENDED, ApiToken, Event, Metric, Run, RunTag, utcnow
+from ..schemas import (
+    CloneRequest,
+    ErrorOut,
+    EventOut,
+    EventPage,
+    RunCreated,
+    RunEdit,
+    RunOut,
+    RunPage,
+    ValidationErrorOut,
+)
 from ..status import RunStatus
 from ..store import queries
 from ..store.tokens import audit
@@ -115,11 +126,149 @@ def list_runs(
 
 
 @router.get("/runs/{run_id}", response_model=RunOut, responses=NOT_FOUND)
-def get_run(run_id: str, session: Annotated[Session, Depends(get_session)]) -> RunOut:
+def get_run(request: Request, run_id: str, session: Annotated[Session, Depends(get_session)]) -> RunOut:
+    """The run with its config and notes; a queued run also with its place in its queue and an estimate of the
+    wait (see `queue_position`, `queue_estimate_s`)."""
     run = get_run_or_404(session, run_id)
     tags = queries.run_tags(session, [run.id])[run.id]
     reward = queries.latest_metric(session, [run.id], "reward").get(run.id)
-    return run_out(run, tags, reward, with_config=True, creators=creator_names(session, [run]))
+    out = run_out(run, tags, reward, with_config=True, creators=creator_names(session, [run]))
+    out.notes = run.notes
+    if run.status == RunStatus.QUEUED:
+        out.queue_position, out.queue_estimate_s = queue_place(request, session, run)
+    return out
+
+
+def _queue_of(config: dict[str, Any]) -> str:
+    return (config.get("resources") or {}).get("queue") or "default"
+
+
+RECENT_RUNS = 20  # finished runs whose durations make the estimate
+
+
+def queue_place(request: Request, session: Session, run: Run) -> tuple[int | None, float | None]:
+    """``(position, estimate_s)`` of a queued run.
+
+    Position: 1-based among the queued runs of the same ``resources.queue``, in the order they were queued (a
+    run's creation, or its latest resume: the broker hands runs out first in, first out).
+
+    Estimate: with D the mean wall-clock duration (start to finish) of the last 20 succeeded runs of that queue,
+    each live worker of the queue is free after the rest of its current run (D minus the time it has run so far,
+    or its own pace, elapsed x steps left / steps done, once it has made progress; at least 0) or at once when
+    idle; the runs ahead are handed to whichever worker is free first, D each, and the estimate is when a worker
+    is free for this run. None without a live worker on the queue or without a finished run to take D from.
+    """
+    queue = _queue_of(run.config)
+    queued = session.execute(
+        select(Run.id, Run.config, Run.created_at, Run.attempt).where(col(Run.status) == RunStatus.QUEUED)
+    ).all()
+    mine = [q for q in queued if _queue_of(q.config) == queue]
+    resumed = [q.id for q in mine if q.attempt > 1]
+    requeued: dict[str, Any] = {}
+    if resumed:
+        requeued = dict(
+            session.execute(
+                select(Event.run_id, func.max(Event.time))
+                .where(col(Event.run_id).in_(resumed), col(Event.message).startswith("resume requested"))
+                .group_by(Event.run_id)
+            ).all()
+        )
+
+    def queued_at(q) -> tuple:
+        when = requeued.get(q.id) or q.created_at
+        return (when.replace(tzinfo=None) if when.tzinfo else when, q.id)
+
+    order = sorted(mine, key=queued_at)
+    position = next((i + 1 for i, q in enumerate(order) if q.id == run.id), None)
+    if position is None:
+        return None, None
+    return position, _estimate(request, session, queue, position)
+
+
+def _estimate(request: Request, session: Session, queue: str, position: int) -> float | None:
+    from collage.worker.registry import live_workers
+
+    from .workers import live_within
+
+    try:
+        workers = [w for w in live_workers(request.app.state.engine, within=live_within(request))
+                   if queue in (w["queues"] or [])]  # fmt: skip
+    except Exception:  # no estimate rather than no run
+        log.exception("could not list live workers for a queue estimate")
+        return None
+    if not workers:
+        return None
+    recent = session.execute(
+        select(Run.config, Run.started_at, Run.finished_at)
+        .where(col(Run.status) == RunStatus.SUCCEEDED, col(Run.started_at).is_not(None))
+        .order_by(col(Run.finished_at).desc())
+        .limit(RECENT_RUNS * 5)
+    ).all()
+    durations = [
+        (r.finished_at - r.started_at).total_seconds()
+        for r in recent
+        if r.finished_at is not None and _queue_of(r.config) == queue
+    ][:RECENT_RUNS]
+    if not durations:
+        return None
+    mean = sum(durations) / len(durations)
+    busy_ids = [w["current_run"] for w in workers if w["current_run"]]
+    busy = {
+        r.id: r
+        for r in session.execute(
+            select(Run.id, Run.started_at, Run.step, Run.max_steps).where(col(Run.id).in_(busy_ids))
+        ).all()
+    } if busy_ids else {}  # fmt: skip
+    now = utcnow().replace(tzinfo=None)
+    free_at = []
+    for w in workers:
+        current = busy.get(w["current_run"]) if w["current_run"] else None
+        if current is None or current.started_at is None:
+            free_at.append(0.0)
+            continue
+        elapsed = max(0.0, (now - current.started_at.replace(tzinfo=None)).total_seconds())
+        if current.step > 0 and current.max_steps > current.step:
+            left = elapsed * (current.max_steps - current.step) / current.step
+        else:
+            left = mean - elapsed
+        free_at.append(max(0.0, left))
+    for _ in range(position - 1):  # the runs ahead take the first free worker, one mean duration each
+        first = min(range(len(free_at)), key=free_at.__getitem__)
+        free_at[first] += mean
+    return round(min(free_at), 1)
+
+
+@router.patch("/runs/{run_id}", response_model=RunOut, responses={**NOT_FOUND, **FORBIDDEN, **INVALID})
+def edit_run(
+    run_id: str,
+    request: Request,
+    body: RunEdit,
+    session: Annotated[Session, Depends(get_session)],
+    token: Annotated[ApiToken, Depends(require_token)],
+) -> RunOut:
+    """Change a run's tags (replaced as a whole; the run's config keeps them too) and notes (`null` or `""`
+    clears them), in any status. Members may edit only their own runs."""
+    run = get_run_or_404(session, run_id)
+    check_may_change(token, run, "edit")
+    changed = []
+    with session_scope(request.app.state.engine) as s:
+        stored = s.get(Run, run.id)
+        if stored is None:
+            raise HTTPException(404, f"no run with id {run_id!r}")
+        if body.tags is not None:
+            tags = list(dict.fromkeys(body.tags))
+            s.execute(delete(RunTag).where(col(RunTag.run_id) == run.id))
+            for tag in tags:
+                s.add(RunTag(run_id=run.id, tag=tag))
+            stored.config = {**stored.config, "tags": tags}
+            changed.append("tags")
+        if "notes" in body.model_fields_set:
+            stored.notes = body.notes or None
+            changed.append("notes")
+        if changed:
+            stored.updated_at = utcnow()
+            audit(s, token.name, "run.edit", run.id, f"{run.name}: {', '.join(changed)}")
+    return _reload(request, run.id)
 
 
 @router.post("/runs/{run_id}/cancel", response_model=RunOut, responses={**NOT_FOUND, **CONFLICT, **FORBIDDEN})
@@ -274,7 +423,7 @@ def _fresh(request: Request) -> Session:
 
 def _reload(request: Request, run_id: str) -> RunOut:
     with _fresh(request) as session:
-        return get_run(run_id, session)
+        return get_run(request, run_id, session)
 
 
 def _snapshot(engine, run_id: str, after_step: int) -> tuple[dict[str, Any] | None, dict[int, dict[str, float]]]:
@@ -302,15 +451,19 @@ async def stream_run(
     run_id: str,
     request: Request,
     poll: Annotated[float, Query(ge=0.1, le=10.0, description="seconds between checks")] = 1.0,
+    after_step: Annotated[
+        int, Query(ge=-1, le=INT_MAX, description="send `metrics` only for steps after this one (-1: every step)")
+    ] = -1,
 ) -> StreamingResponse:
-    """Server-sent events: `status` and `progress` on change, `metrics` per new step; ends when the run ends."""
+    """Server-sent events: `status` and `progress` on change, `metrics` per new step; ends when the run ends.
+    Non-finite values (a NaN loss) are sent as `null`: JSON has no NaN."""
     engine = request.app.state.engine
     state, _ = await run_in_threadpool(_snapshot, engine, run_id, INT_MAX)
     if state is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
 
     async def events():
-        last_status, last_step, metric_step = None, None, -1
+        last_status, last_step, metric_step = None, None, after_step
         while True:
             state, metrics = await run_in_threadpool(_snapshot, engine, run_id, metric_step)
             if state is None:
@@ -334,5 +487,15 @@ async def stream_run(
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n"
+    return f"event: {event}\ndata: {json.dumps(_finite(data), default=str, allow_nan=False)}\n\n"

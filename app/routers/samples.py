@@ -41,8 +41,25 @@ def list_samples(
     step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     min_step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     max_step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
-    min_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
-    max_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+    min_reward: Annotated[
+        float | None, Query(allow_inf_nan=False, description="the total reward, or reward_name's value, at least")
+    ] = None,
+    max_reward: Annotated[
+        float | None, Query(allow_inf_nan=False, description="the total reward, or reward_name's value, at most")
+    ] = None,
+    reward_name: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=200,
+            description="a reward function of the run's config: min_reward and max_reward bound its value instead "
+            "of the total (rows it could not score never match)",
+        ),
+    ] = None,
+    dataset_row: Annotated[
+        int | None, Query(ge=0, le=INT_MAX, description="the dataset row the prompt came from")
+    ] = None,
+    group: Annotated[int | None, Query(ge=0, le=INT_MAX, description="the prompt group (with step: one group)")] = None,
     advantage: Annotated[Literal["pos", "neg", "zero"] | None, Query()] = None,
     zero_std_groups: Annotated[
         bool | None, Query(description="true: only rows of zero-variance groups; false: none")
@@ -54,14 +71,16 @@ def list_samples(
     sort: Annotated[
         str,
         Query(
-            pattern=r"^[-+]?(step|reward|advantage|completion_length|group|num_images|id)$",
-            description="column, prefix - for descending: step, reward, advantage, completion_length, group, num_images, id",
+            pattern=r"^[-+]?(step|reward|advantage|completion_length|group|num_images|id|reward\.[^\x00-\x1f]{1,200})$",
+            description="column, prefix - for descending: step, reward, advantage, completion_length, group, "
+            "num_images, id, or reward.<function> (one reward function of the run's config; unscorable rows lowest)",
         ),
     ] = "step",
     cursor: Annotated[str | None, Query(max_length=500)] = None,
     limit: Annotated[int, Query(ge=1, le=queries.PAGE_MAX)] = 50,
 ) -> SamplePage:
-    get_run_or_404(session, run_id)
+    run = get_run_or_404(session, run_id)
+    check_reward_names(run.config, sort, reward_name)
     filters = queries.SampleFilters(
         step,
         min_step,
@@ -74,6 +93,9 @@ def list_samples(
         min_images,
         max_images,
         q,
+        reward_name,
+        dataset_row,
+        group,
     )
     try:
         key = request.app.state.cursor_key
@@ -81,12 +103,29 @@ def list_samples(
     except queries.BadCursor as exc:
         raise HTTPException(400, str(exc)) from exc
     sizes = image_sizes(session, {sha for shas in images.values() for sha in shas})
-    return SamplePage(items=[sample_out(r, images[r.id], sizes) for r in rows], next_cursor=next_cursor)
+    items = [sample_out(r, images[r.id], sizes) for r in rows]
+    return SamplePage(items=items, next_cursor=next_cursor)
+
+
+def check_reward_names(config: dict | None, sort: str, reward_name: str | None) -> None:
+    """A 422 naming the parameter when ``sort=reward.<name>`` or ``reward_name`` is not a reward of the run."""
+    known = queries.reward_names(config)
+    listed = ", ".join(known) if known else "none"
+    errors = []
+    name = sort.lstrip("-+")
+    if name.startswith(queries.REWARD_SORT_PREFIX) and name[len(queries.REWARD_SORT_PREFIX) :] not in known:
+        errors.append({"path": "query.sort", "message": f"no reward function {name[7:]!r} in this run (its rewards: "
+                       f"{listed}): sort by reward.<function> with one of them"})  # fmt: skip
+    if reward_name is not None and reward_name not in known:
+        errors.append({"path": "query.reward_name", "message": f"no reward function {reward_name!r} in this run "
+                       f"(its rewards: {listed})"})  # fmt: skip
+    if errors:
+        raise HTTPException(422, errors)
 
 
 SAMPLE_COLUMNS = [
     "run_id", "step", "group", "index", "prompt", "completion", "images", "rewards", "reward", "advantage",
-    "completion_length", "truncated", "num_images", "group_mean", "group_std", "zero_std", "dataset_row",
+    "completion_length", "truncated", "num_images", "group_mean", "group_std", "zero_std", "dataset_row", "columns",
 ]  # fmt: skip
 
 
@@ -110,6 +149,7 @@ def _sample_records(engine, run_id: str):
             "group_std": row.group_std,
             "zero_std": row.zero_std,
             "dataset_row": row.dataset_row,
+            "columns": row.columns or {},  # the dataset row's scalar columns (JSON text in CSV and Parquet)
         }
 
 
@@ -177,6 +217,7 @@ def _parquet(records, what: str):
                 for r in batch:  # nested JSON as text: stable columns whatever the prompts and rewards hold
                     r["prompt"] = json.dumps(r["prompt"])
                     r["rewards"] = json.dumps(r["rewards"])
+                    r["columns"] = json.dumps(r["columns"])
             table = pa.Table.from_pylist(batch, schema=writer.schema if writer else None)
             if writer is None:
                 writer = pq.ParquetWriter(spool, table.schema)

@@ -104,13 +104,44 @@ const Collage = (() => {
     const body = box.querySelector(".modal-content");
     body.replaceChildren(content);
     box.hidden = false;
-    const close = () => { box.hidden = true; body.replaceChildren(); };
+    // keyboard users land on the close button, and go back where they were when it closes
+    const before = document.activeElement;
+    box.querySelector(".close").focus();
+    const close = () => {
+      box.hidden = true; body.replaceChildren();
+      if (before && before.isConnected && typeof before.focus === "function") before.focus();
+    };
     box.querySelector(".close").onclick = close;
     box.onclick = e => { if (e.target === box) close(); };
     document.addEventListener("keydown", function esc(e) { if (e.key === "Escape") { close(); document.removeEventListener("keydown", esc); } });
   }
 
+  // Light-scheme series colours, kept for old callers; seriesColor(i) follows the theme (--series-1..8).
   const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f"];
+
+  // The value of a theme variable of collage.css (e.g. cssVar("--chart-axis")), as the current scheme has it.
+  function cssVar(name, fallback = "") {
+    const value = getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+    return value || fallback;
+  }
+  const seriesColor = i => cssVar(`--series-${(i % PALETTE.length) + 1}`, PALETTE[i % PALETTE.length]);
+  const scheme = () => document.documentElement.dataset.scheme || "light";
+
+  // uPlot draws on canvases: its colours are functions of the theme, re-read at each draw; a theme change
+  // (`collage:theme`, fired by theme.js) redraws every chart still on the page.
+  const plots = new Set();
+  document.addEventListener("collage:theme", () => {
+    for (const plot of [...plots]) {
+      if (!plot.root.isConnected) { plots.delete(plot); continue; }
+      plot.redraw(false, true);
+    }
+  });
+  function themed(plot) { plots.add(plot); return plot; }
+  const axisColors = () => ({
+    stroke: () => cssVar("--chart-axis"),
+    grid: { stroke: () => cssVar("--chart-grid"), width: 1 },
+    ticks: { stroke: () => cssVar("--chart-grid"), width: 1 },
+  });
 
   // One small line chart per metric; `series` is [{label, points: [[step, value], ...]}].
   function chart(container, title, series) {
@@ -127,10 +158,10 @@ const Collage = (() => {
       width: Math.max(280, Math.min(420, container.clientWidth / 2 - 24)), height: 170,
       legend: { show: series.length > 1 }, cursor: { drag: { x: true, y: false } },
       scales: { x: { time: false } },
-      series: [{ label: "step" }, ...series.map((s, i) => ({ label: s.label, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true }))],
-      axes: [{ size: 30 }, { size: 56, values: (u, vals) => vals.map(v => v === null ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-2) ? v.toExponential(1) : +v.toPrecision(3)) }],
+      series: [{ label: "step" }, ...series.map((s, i) => ({ label: s.label, stroke: () => seriesColor(i), width: 1.5, spanGaps: true }))],
+      axes: [{ size: 30, ...axisColors() }, { size: 56, ...axisColors(), values: (u, vals) => vals.map(v => v === null ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-2) ? v.toExponential(1) : +v.toPrecision(3)) }],
     };
-    const plot = new uPlot(opts, data, box);
+    const plot = themed(new uPlot(opts, data, box));
     return { plot, series, box };
   }
 
@@ -143,5 +174,8 @@ const Collage = (() => {
     handle.plot.setData([x, ...y]);
   }
 
-  return { api, el, num, when, duration, timeLeft, sparkline, toYaml, modal, chart, appendPoint, PALETTE };
+  return {
+    api, el, num, when, duration, timeLeft, sparkline, toYaml, modal, chart, appendPoint, PALETTE,
+    cssVar, seriesColor, scheme, themed, axisColors,
+  };
 })();

@@ -91,36 +91,97 @@
     form.querySelector(".field.invalid input, .field.invalid select")?.focus();
   }
 
+  let previewSeq = 0;
+
+  function progressNode(label) {
+    // shown while the dataset is read and checked: an indeterminate bar and the seconds so far
+    const started = Date.now();
+    const seconds = el("span", { class: "elapsed", text: "0 s" });
+    const node = el("div", { class: "preview-progress", role: "status", "aria-live": "polite" },
+      el("progress", { "aria-label": label }), el("span", { text: label + " " }), seconds);
+    const timer = setInterval(() => { seconds.textContent = Math.round((Date.now() - started) / 1000) + " s"; }, 500);
+    return { node, stop: () => clearInterval(timer) };
+  }
+
+  function errorText(err) {
+    const detail = err.body?.detail;
+    if (!detail) return String(err);
+    return typeof detail === "string" ? detail : detail.map(d => `${d.path}: ${d.message}`).join("; ");
+  }
+
   async function preview() {
     const box = document.getElementById("preview");
+    const button = document.getElementById("preview-btn");
+    const seq = ++previewSeq;
     const source = form.querySelector('[name="dataset.source"]').value.trim();
-    box.replaceChildren(el("p", { class: "muted", text: "Reading the dataset…" }));
     const c = config();
-    try {
-      const [rows, report] = await Promise.all([
-        source.startsWith("synth:") ? Promise.resolve(null) : api("/datasets/preview", { params: { source, split: c.dataset.split, rows: 5 } }),
-        api("/datasets/check", { method: "POST", body: {
-          source, split: c.dataset.split, model: c.model.path, max_prompt_length: c.train.max_prompt_length || null,
-          rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed,
-        } }),
-      ]);
+    const synth = source.startsWith("synth:");
+    const progress = progressNode("Reading and checking the dataset…");
+    const rowsBox = el("div", { class: "preview-rows-box" });
+    const reportBox = el("div", { class: "preview-report" });
+    box.setAttribute("aria-busy", "true");
+    box.replaceChildren(progress.node, reportBox, rowsBox);
+    button.disabled = true;
+    const rowsDone = api("/datasets/preview", { params: {
+      source, split: c.dataset.split, rows: 5,
+      ...(synth ? { dataset_rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed } : {}),
+    } }).then(data => {
+      if (seq !== previewSeq) return;
+      const total = data.total_rows === null || data.total_rows === undefined ? "" : ` of ${data.total_rows}`;
+      rowsBox.replaceChildren(el("h3", { text: `First ${data.rows.length} rows${total}` }), previewRows(data.rows));
+    }, err => { if (seq === previewSeq) rowsBox.replaceChildren(el("p", { class: "error", text: errorText(err) })); });
+    const checkDone = api("/datasets/check", { method: "POST", body: {
+      source, split: c.dataset.split, model: c.model.path, max_prompt_length: c.train.max_prompt_length || null,
+      rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed,
+    } }).then(report => {
+      if (seq !== previewSeq) return;
       const parts = [el("p", { class: report.ok ? "ok" : "error", text: report.summary })];
       if (report.errors.length) parts.push(el("ul", { class: "problems" }, report.errors.slice(0, 50).map(e => el("li", { text: `row ${e.row}: ${e.message}` }))));
-      if (rows) parts.push(previewRows(rows.rows));
-      else if (source.startsWith("synth:")) parts.push(el("p", { class: "muted", text: "Synthetic rows are generated when the run starts; the check above used the same generator." }));
-      box.replaceChildren(...parts);
-    } catch (err) {
-      box.replaceChildren(el("p", { class: "error", text: err.body?.detail ? (typeof err.body.detail === "string" ? err.body.detail : JSON.stringify(err.body.detail)) : String(err) }));
+      reportBox.replaceChildren(...parts);
+    }, err => { if (seq === previewSeq) reportBox.replaceChildren(el("p", { class: "error", text: errorText(err) })); });
+    await Promise.allSettled([rowsDone, checkDone]);
+    progress.stop();
+    if (seq !== previewSeq) return;
+    progress.node.remove();
+    box.removeAttribute("aria-busy");
+    box.dataset.done = String(seq);
+    button.disabled = false;
+  }
+
+  function promptNode(prompt, images) {
+    // the prompt as text with each image's position marked, as the rollouts page shows it
+    let k = 0;
+    const out = el("div", { class: "prompt" });
+    const messages = typeof prompt === "string" ? [{ role: "user", content: prompt }] : Array.isArray(prompt) ? prompt : [{ role: "?", content: JSON.stringify(prompt) }];
+    for (const m of messages) {
+      const line = el("div", {}, el("b", { text: (m?.role ?? "?") + ": " }));
+      const content = m?.content;
+      const parts = typeof content === "string" ? [{ type: "text", text: content }] : Array.isArray(content) ? content : [{ type: "text", text: JSON.stringify(content ?? "") }];
+      for (const part of parts) {
+        if (part?.type === "image") {
+          k += 1;
+          const image = images[k - 1];
+          line.append(el("span", { class: "image-marker", text: `[image ${k}]`, title: image ? `${image.width}x${image.height}` : "" }));
+        } else line.append(document.createTextNode(typeof part?.text === "string" ? part.text : ""));
+      }
+      out.append(line);
     }
+    return out;
+  }
+
+  function enlarge(image) {
+    Collage.modal(el("figure", {}, el("img", { src: image.url, alt: "image " + image.sha256, class: "full" }), el("figcaption", { text: `${image.width}x${image.height}` })));
   }
 
   function previewRows(rows) {
-    return el("table", { class: "preview-rows" }, rows.map(r => el("tr", {},
-      el("td", { text: "row " + r.row }),
-      el("td", {}, r.images.map(im => el("img", { src: im.thumb_url, alt: "image", class: "thumb", width: 64 }))),
-      el("td", { text: JSON.stringify(r.prompt).slice(0, 300) }),
-      el("td", { class: r.error ? "error" : "muted", text: r.error || Object.entries(r.columns).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ").slice(0, 200) }),
-    )));
+    return el("table", { class: "preview-rows" },
+      el("thead", {}, el("tr", {}, ["Row", "Images", "Prompt", "Columns"].map(h => el("th", { text: h })))),
+      el("tbody", {}, rows.map(r => el("tr", { "data-row": String(r.row) },
+        el("td", { text: "row " + r.row }),
+        el("td", { class: "thumbs" }, r.images.map((im, i) => el("img", { src: im.thumb_url, alt: `image ${i + 1}`, class: "thumb", width: 56, onclick: () => enlarge(im) }))),
+        el("td", {}, r.error ? el("span", { class: "error", text: r.error }) : promptNode(r.prompt, r.images)),
+        el("td", { class: "muted", text: Object.entries(r.columns).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ").slice(0, 300) }),
+      ))));
   }
 
   function fill(cfg) {

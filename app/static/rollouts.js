@@ -1,31 +1,104 @@
 "use strict";
-// The rollout table: server-side filters, sorts and paging; rows grouped by prompt group with the group's
-// mean/std and zero-variance flag; images as thumbnails (click to enlarge); untrusted text shown as text.
+// The rollout table: server-side filters, sorts (the total reward or any one reward function) and paging; rows
+// grouped by prompt group with the group's mean/std and zero-variance flag; each row's dataset columns beside its
+// completion; an image gallery (arrow keys or j/k, Escape closes); a group view (one prompt, its completions side
+// by side, ranked by reward); live: new steps are announced, never pushed under the reader; every filter and the
+// sort live in the URL query under the API's own parameter names. Untrusted text is only ever shown as text.
 (() => {
   const { api, el, num } = Collage;
+  const ENDED = ["succeeded", "failed", "cancelled", "deleted"];
   const root = document.getElementById("rollouts");
   const runId = root.dataset.run;
   const rewardNames = root.dataset.rewards ? root.dataset.rewards.split(",") : [];
+  const samplesEvery = Math.max(1, Number(root.dataset.samplesEvery) || 1);
   const form = document.getElementById("sample-filters");
   const body = document.getElementById("samples-body");
   const more = document.getElementById("more");
-  const slider = form.querySelector('[name="step_slider"]');
-  let cursor = null, shown = 0, lastGroup = null;
+  const count = document.getElementById("count");
+  const slider = form.querySelector('[name="step"]');
+  const stepOut = document.getElementById("step-out");
+  const formError = document.getElementById("filters-error");
+  const newBar = document.getElementById("new-steps-bar");
+  const newButton = document.getElementById("new-steps");
+  const groupView = document.getElementById("group-view");
+  const tableBox = document.getElementById("table-box");
+  let cursor = null, shown = 0, lastGroup = null, seq = 0;
+  let newestStep = 0;  // the newest step with rollout rows the page knows of
+  let loadedTop = 0;   // ... and the newest one when the table was last loaded from the first page
+  let group = null;    // {step, group} while the group view is open
+
+  // ------------------------------------------------------------------------------------- URL and filters
 
   function params() {
-    const p = Object.fromEntries([...new FormData(form)].filter(([k]) => k !== "step_slider"));
-    if (Number(slider.value) > 0) p.step = slider.value;
+    const p = {};
+    for (const [name, value] of new FormData(form)) {
+      if (String(value).trim() === "") continue;
+      if (name === "step" && Number(value) <= 0) continue;  // the slider's 0 is "every step"
+      if (name === "sort" && value === "step") continue;    // the API's default
+      p[name] = value;
+    }
     return p;
   }
+
+  function writeUrl() {
+    const query = new URLSearchParams(params());
+    if (group) query.set("view", `group:${group.step}:${group.group}`);
+    const search = query.toString();
+    history.replaceState(null, "", location.pathname + (search ? "?" + search : "") + location.hash);
+  }
+
+  function readUrl() {
+    const query = new URLSearchParams(location.search);
+    for (const field of form.elements) {
+      if (!field.name || !query.has(field.name)) continue;
+      const value = query.get(field.name);
+      if (field.tagName === "SELECT" && ![...field.options].some(o => o.value === value)) {
+        field.append(el("option", { value, text: value }));  // shown as it is; the API says whether it is valid
+      }
+      if (field.type === "range" && Number(value) > Number(field.max)) field.max = value;
+      field.value = value;
+    }
+    showStep();
+    const view = /^group:(\d+):(\d+)$/.exec(query.get("view") || "");
+    return view ? { step: Number(view[1]), group: Number(view[2]) } : null;
+  }
+
+  function showStep() { stepOut.textContent = Number(slider.value) > 0 ? slider.value : "all"; }
+
+  function clearErrors() {
+    for (const slot of form.querySelectorAll(".field-error")) slot.textContent = "";
+    for (const field of form.querySelectorAll(".invalid")) field.classList.remove("invalid");
+  }
+
+  function problems(err) {
+    const detail = err && err.body && err.body.detail;
+    if (Array.isArray(detail)) return detail.map(d => ({ path: String(d.path || ""), message: String(d.message || d.msg || "") }));
+    return [{ path: "", message: typeof detail === "string" ? detail : `the server could not be reached (${err && err.message})` }];
+  }
+
+  // the API's 422 names each bad parameter (query.min_reward): its message goes next to that field
+  function showErrors(err) {
+    for (const { path, message } of problems(err)) {
+      const name = path.replace(/^query\./, "");
+      const slot = [...form.querySelectorAll("[data-error-for]")].find(s => s.dataset.errorFor === name);
+      const field = name ? form.elements.namedItem(name) : null;
+      if (field && field.classList) field.classList.add("invalid");
+      const target = slot || formError;
+      const text = slot ? message : (path ? `${path}: ${message}` : message);
+      target.textContent = target.textContent ? `${target.textContent} ${text}` : text;
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------- rows
 
   function promptNode(prompt, images) {
     // the prompt as text, with each image's position marked where its placeholder stands
     let k = 0;
     const out = el("div", { class: "prompt" });
     const messages = typeof prompt === "string" ? [{ role: "user", content: prompt }] : prompt;
-    for (const m of messages) {
+    for (const m of messages || []) {
       const line = el("div", {}, el("b", { text: m.role + ": " }));
-      const parts = typeof m.content === "string" ? [{ type: "text", text: m.content }] : m.content;
+      const parts = typeof m.content === "string" ? [{ type: "text", text: m.content }] : (m.content || []);
       for (const part of parts) {
         if (part.type === "image") line.append(el("span", { class: "image-marker", text: `[image ${++k}]`, title: images[k - 1] ? `${images[k - 1].width}x${images[k - 1].height}` : "" }));
         else line.append(document.createTextNode(part.text || ""));
@@ -35,35 +108,72 @@
     return out;
   }
 
-  function enlarge(image) {
-    Collage.modal(el("figure", {}, el("img", { src: image.url, alt: "image " + image.sha256, class: "full" }), el("figcaption", { text: `${image.width}x${image.height} · ${image.sha256.slice(0, 12)}…` })));
+  // the dataset row's scalar columns (answer, ...), for judging the reward: "answer: 3"
+  function columnsNode(columns) {
+    const entries = Object.entries(columns || {});
+    if (!entries.length) return null;
+    return el("div", { class: "columns", "aria-label": "dataset columns" }, entries.map(([key, value]) =>
+      el("span", { class: "column", "data-column": key }, el("b", { text: key + ": " }), value === null ? "–" : String(value))));
   }
+
+  function thumbs(images) {
+    return images.map((image, i) => el("img", {
+      src: image.thumb_url, alt: `image ${i + 1} of ${images.length}`, class: "thumb", loading: "lazy",
+      tabindex: "0", onclick: () => gallery(images, i),
+      onkeydown: e => { if (e.key === "Enter") gallery(images, i); },
+    }));
+  }
+
+  function advClass(advantage) { return advantage > 0 ? "pos" : advantage < 0 ? "neg" : "zero"; }
 
   function groupRow(s) {
     const cols = 6 + rewardNames.length;
-    return el("tr", { class: "group" + (s.zero_std ? " zero-std" : "") }, el("td", { colspan: cols },
+    return el("tr", { class: "group" + (s.zero_std ? " zero-std" : ""), "data-step": s.step, "data-group": s.group }, el("td", { colspan: cols },
       `step ${s.step} · group ${s.group} · mean ${num(s.group_mean)} · std ${num(s.group_std)}`,
-      s.zero_std ? el("span", { class: "badge", text: "zero variance: no learning signal" }) : null));
+      s.zero_std ? el("span", { class: "badge", text: "zero variance: no learning signal" }) : null,
+      el("button", { type: "button", class: "link open-group", text: "view group side by side", onclick: () => openGroup(s.step, s.group) })));
   }
 
   function sampleRow(s) {
-    const adv = s.advantage > 0 ? "pos" : s.advantage < 0 ? "neg" : "zero";
     return el("tr", { class: "sample", "data-id": s.id },
-      el("td", { text: `${s.step}·${s.group}·${s.index}` }),
-      el("td", { class: "thumbs" }, s.images.map((im, i) => el("img", { src: im.thumb_url, alt: `image ${i + 1}`, class: "thumb", onclick: () => enlarge(im) }))),
+      el("td", {}, el("button", { type: "button", class: "link position", title: "view this group side by side", text: `${s.step}·${s.group}·${s.index}`, onclick: () => openGroup(s.step, s.group) })),
+      el("td", { class: "thumbs" }, thumbs(s.images)),
       el("td", {}, promptNode(s.prompt, s.images)),
-      el("td", {}, el("pre", { class: "completion", text: s.completion }), s.truncated ? el("span", { class: "badge", text: "truncated" }) : null, el("small", { class: "muted", text: ` ${s.completion_length} tokens` })),
-      rewardNames.map(n => el("td", { class: "num", text: num(s.rewards[n]) })),
-      el("td", { class: "num", text: num(s.reward) }),
-      el("td", { class: "num adv-" + adv, text: num(s.advantage) }));
+      el("td", {}, el("pre", { class: "completion", text: s.completion }), s.truncated ? el("span", { class: "badge", text: "truncated" }) : null,
+        el("small", { class: "muted", text: ` ${s.completion_length} tokens` }), columnsNode(s.columns)),
+      rewardNames.map(n => el("td", { class: "num", "data-reward": n, text: num(s.rewards[n]) })),
+      el("td", { class: "num total", text: num(s.reward) }),
+      el("td", { class: "num adv-" + advClass(s.advantage), text: num(s.advantage) }));
   }
 
   async function load(append = false) {
-    if (!append) { cursor = null; shown = 0; lastGroup = null; body.replaceChildren(); }
-    const page = await api(`/runs/${runId}/samples`, { params: { ...params(), limit: 100, cursor: append ? cursor : undefined } });
+    const mine = ++seq;
+    const query = params();
+    if (!append) writeUrl();
+    let page;
+    try {
+      page = await api(`/runs/${runId}/samples`, { params: { ...query, limit: 100, cursor: append ? cursor : undefined } });
+    } catch (err) {
+      if (mine !== seq) return;
+      clearErrors();
+      // no stale rows or count under an error: the table shows nothing until the filters are valid again
+      body.replaceChildren();
+      cursor = null; shown = 0; lastGroup = null;
+      more.hidden = true;
+      count.textContent = "";
+      showErrors(err);
+      return;
+    }
+    if (mine !== seq) return;  // a newer request was made meanwhile: its answer wins
+    clearErrors();
+    if (!append) {
+      cursor = null; shown = 0; lastGroup = null; body.replaceChildren();
+      loadedTop = newestStep;
+      newBar.hidden = true;
+    }
     cursor = page.next_cursor;
-    more.hidden = !cursor;
-    const grouped = (params().sort || "step").replace("-", "") === "step";
+    more.hidden = !cursor || !!group;
+    const grouped = (query.sort || "step").replace(/^[-+]/, "") === "step";
     for (const s of page.items) {
       const key = `${s.step}:${s.group}`;
       if (grouped && key !== lastGroup) body.append(groupRow(s));
@@ -71,27 +181,184 @@
       body.append(sampleRow(s));
     }
     shown += page.items.length;
-    document.getElementById("count").textContent = `${shown} rows shown` + (cursor ? " (more on the server)" : "");
+    count.textContent = `${shown} rows shown` + (cursor ? " (more on the server)" : "");
   }
 
-  slider.addEventListener("input", () => { document.getElementById("step-out").textContent = Number(slider.value) > 0 ? slider.value : "all"; });
+  // -------------------------------------------------------------------------------------------- gallery
+
+  // every image of a row: ← → or j/k to move (j: next, k: previous), Escape closes (Collage.modal)
+  function gallery(images, start) {
+    if (!images.length) return;
+    let at = start;
+    const img = el("img", { class: "full", alt: "" });
+    const caption = el("figcaption", { class: "gallery-caption" });
+    const prev = el("button", { type: "button", class: "gallery-prev", "aria-label": "previous image", text: "‹ previous" });
+    const next = el("button", { type: "button", class: "gallery-next", "aria-label": "next image", text: "next ›" });
+    const figure = el("figure", { class: "gallery" }, img, el("div", { class: "gallery-nav" }, prev, caption, next));
+    const show = k => {
+      at = Math.max(0, Math.min(images.length - 1, k));
+      const image = images[at];
+      img.src = image.url;
+      img.alt = `image ${at + 1} of ${images.length}`;
+      figure.dataset.index = String(at);
+      caption.textContent = `image ${at + 1} of ${images.length} · ${image.width}x${image.height} · ${image.sha256.slice(0, 12)}…`;
+      prev.disabled = at === 0;
+      next.disabled = at === images.length - 1;
+    };
+    prev.addEventListener("click", () => show(at - 1));
+    next.addEventListener("click", () => show(at + 1));
+    Collage.modal(figure);
+    show(start);
+    const box = document.getElementById("modal");
+    const onKey = e => {
+      if (box.hidden || !figure.isConnected) { document.removeEventListener("keydown", onKey); return; }
+      if (e.altKey || e.ctrlKey || e.metaKey) return;
+      if (e.key === "ArrowRight" || e.key === "j") { e.preventDefault(); show(at + 1); }
+      else if (e.key === "ArrowLeft" || e.key === "k") { e.preventDefault(); show(at - 1); }
+    };
+    document.addEventListener("keydown", onKey);
+    next.focus();
+  }
+
+  // ----------------------------------------------------------------------------------------- group view
+
+  function rewardList(s) {
+    return el("dl", { class: "rewards" },
+      rewardNames.flatMap(n => [el("dt", { text: n }), el("dd", { class: "num", "data-reward": n, text: num(s.rewards[n]) })]),
+      el("dt", { text: "reward" }), el("dd", { class: "num total", text: num(s.reward) }),
+      el("dt", { text: "advantage" }), el("dd", { class: "num adv-" + advClass(s.advantage), text: num(s.advantage) }));
+  }
+
+  async function openGroup(step, groupIndex) {
+    group = { step, group: groupIndex };
+    writeUrl();
+    const mine = group;
+    tableBox.hidden = true;
+    more.hidden = true;
+    count.hidden = true;
+    groupView.hidden = false;
+    const back = el("button", { type: "button", class: "back", text: "← back to the table", onclick: closeGroup });
+    groupView.replaceChildren(back, el("p", { class: "muted", text: "loading…" }));
+    let page;
+    try {
+      page = await api(`/runs/${runId}/samples`, { params: { step, group: groupIndex, sort: "-reward", limit: 500 } });
+    } catch (err) {
+      if (group !== mine) return;
+      groupView.replaceChildren(back, el("p", { class: "error", text: problems(err).map(p => p.message).join(" ") }));
+      return;
+    }
+    if (group !== mine) return;
+    const items = page.items;
+    if (!items.length) {
+      groupView.replaceChildren(back, el("p", { class: "muted", text: `No rows for step ${step}, group ${groupIndex}.` }));
+      return;
+    }
+    const first = items[0];
+    groupView.replaceChildren(
+      el("div", { class: "group-head" }, back,
+        el("h2", { text: `step ${step} · group ${groupIndex} · ${items.length} completions, ranked by reward` }),
+        el("span", { class: "muted", text: `mean ${num(first.group_mean)} · std ${num(first.group_std)}` + (first.dataset_row === null ? "" : ` · dataset row ${first.dataset_row}`) }),
+        first.zero_std ? el("span", { class: "badge", text: "zero variance: no learning signal" }) : null),
+      el("div", { class: "group-prompt" },
+        el("div", { class: "thumbs" }, thumbs(first.images)), promptNode(first.prompt, first.images), columnsNode(first.columns)),
+      el("div", { class: "group-completions" }, items.map((s, rank) => el("article", { class: "group-completion adv-edge-" + advClass(s.advantage), "data-id": s.id },
+        el("header", {}, el("b", { text: `#${rank + 1}` }), el("span", { class: "muted", text: ` completion ${s.index} · ${s.completion_length} tokens` }),
+          s.truncated ? el("span", { class: "badge", text: "truncated" }) : null),
+        el("pre", { class: "completion", text: s.completion }),
+        rewardList(s)))));
+  }
+
+  function closeGroup() {
+    group = null;
+    groupView.hidden = true;
+    groupView.replaceChildren();
+    tableBox.hidden = false;
+    count.hidden = false;
+    more.hidden = !cursor;
+    writeUrl();
+  }
+
+  // --------------------------------------------------------------------------------------------- live
+
+  function newSteps() {
+    return Math.floor(newestStep / samplesEvery) - Math.floor(loadedTop / samplesEvery);
+  }
+
+  let checking = false, again = false;
+  async function checkNewSteps() {
+    if (checking) { again = true; return; }
+    checking = true;
+    try {
+      const page = await api(`/runs/${runId}/samples`, { params: { sort: "-step", limit: 1 } });
+      const top = page.items.length ? page.items[0].step : 0;
+      if (top > newestStep) newestStep = top;
+      if (Number(slider.max) < newestStep) slider.max = String(newestStep);
+      const n = newSteps();
+      if (n > 0) {
+        newButton.textContent = `${n} new step${n === 1 ? "" : "s"} with rollouts: show them`;
+        newBar.hidden = false;
+      }
+    } catch (err) {
+      // a failed check is repeated at the next event of the stream
+    } finally {
+      checking = false;
+      if (again) { again = false; checkNewSteps(); }
+    }
+  }
+
+  function listen() {
+    const source = new EventSource(`/api/v1/runs/${runId}/stream`);
+    source.addEventListener("progress", checkNewSteps);
+    source.addEventListener("metrics", checkNewSteps);
+    source.addEventListener("status", e => {
+      let status = null;
+      try { status = JSON.parse(e.data).status; } catch (err) { status = null; }
+      if (ENDED.includes(status)) { source.close(); checkNewSteps(); }
+    });
+    source.onerror = () => {
+      source.close();
+      setTimeout(async () => {
+        try { if (!ENDED.includes((await api("/runs/" + runId)).status)) listen(); } catch (err) { /* the run is gone */ }
+      }, 3000);
+    };
+  }
+
+  // ------------------------------------------------------------------------------------------- wiring
+
+  slider.addEventListener("input", showStep);
   let timer = null;
-  form.addEventListener("input", () => { clearTimeout(timer); timer = setTimeout(() => load(), 250); });
-  form.addEventListener("submit", e => e.preventDefault());
+  form.addEventListener("input", e => {
+    if (e.target.tagName === "SELECT") return;  // a select loads on "change", at once
+    clearTimeout(timer);
+    timer = setTimeout(() => load(), 250);
+  });
+  form.addEventListener("change", e => { if (e.target.tagName === "SELECT") { clearTimeout(timer); load(); } });
+  form.addEventListener("submit", e => { e.preventDefault(); clearTimeout(timer); load(); });
   more.addEventListener("click", () => load(true));
+  newButton.addEventListener("click", () => { if (group) closeGroup(); load(); });
   for (const th of document.querySelectorAll("th[data-sort]")) {
     th.addEventListener("click", () => {
       const select = form.querySelector('[name="sort"]');
       const key = th.dataset.sort;
-      select.value = select.value === "-" + key ? key : "-" + key;
-      if (![...select.options].some(o => o.value === select.value)) select.append(el("option", { value: select.value, text: select.value }));
-      select.value = select.value;
+      const value = select.value === "-" + key ? key : "-" + key;
+      if (![...select.options].some(o => o.value === value)) select.append(el("option", { value, text: value }));
+      select.value = value;
       load();
     });
   }
   (async () => {
-    const run = await api("/runs/" + runId);
-    slider.max = run.progress.step;
-    load();
+    const view = readUrl();
+    let run = null;
+    try {
+      run = await api("/runs/" + runId);
+      const top = await api(`/runs/${runId}/samples`, { params: { sort: "-step", limit: 1 } });
+      newestStep = top.items.length ? top.items[0].step : 0;
+      slider.max = String(Math.max(Number(slider.max), run.progress.step, newestStep, Number(slider.value)));
+    } catch (err) {
+      showErrors(err);
+    }
+    await load();
+    if (view) openGroup(view.step, view.group);
+    if (run && !ENDED.includes(run.status) && window.EventSource) listen();
   })();
 })();

@@ -63,8 +63,8 @@ def thumbnail(artifacts: Path, sha: str) -> Path:
     thumb = artifacts / relative_path(sha, "thumbs")
     if thumb.exists():
         return thumb
-    with PILImage.open(artifacts / relative_path(sha)) as image:
-        image = image.convert("RGB")
+    with PILImage.open(artifacts / relative_path(sha)) as stored:
+        image = stored.convert("RGB")
         image.thumbnail((THUMB_SIZE, THUMB_SIZE))
         buf = io.BytesIO()
         image.save(buf, format="PNG")

@@ -11,9 +11,10 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import PurePosixPath
 from typing import Any
 
-from sqlalchemy import and_, func, literal, or_, select, tuple_
+from sqlalchemy import Float, and_, func, literal, or_, select, tuple_, type_coerce
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -166,6 +167,9 @@ def _escape_like(text: str) -> str:
 
 # --------------------------------------------------------------------------------------------- samples
 
+NULL_SORT = -1e300  # where unscorable rows (reward NULL) sort: below any real reward, as ``Sample.reward_sort``
+REWARD_SORT_PREFIX = "reward."  # sort=reward.<name>: by one reward function's value
+
 SORTS = {
     "step": Sample.step,
     "reward": Sample.reward_sort,
@@ -190,27 +194,73 @@ class SampleFilters:
     min_images: int | None = None
     max_images: int | None = None
     q: str | None = None
+    reward_name: str | None = None  # min_reward / max_reward bound this reward function's value, not the total
+    dataset_row: int | None = None
+    group: int | None = None
+
+
+def reward_names(config: dict[str, Any] | None) -> list[str]:
+    """The names a run's reward functions log under (``rewards`` of its samples, ``rewards/<name>/...`` metrics),
+    from its config, as the trainer names them: a built-in by its name, ``package.module:function`` by the
+    function, a reward model checkpoint by its folder's name."""
+    names = []
+    for reward in (config or {}).get("rewards") or []:
+        name = str(reward.get("name", "")) if isinstance(reward, dict) else ""
+        module, colon, attr = name.partition(":")
+        if colon and "/" not in module and "\\" not in module and not module.startswith("~"):
+            name = attr
+        elif "/" in name:
+            name = PurePosixPath(name.rstrip("/")).name
+        if name and name not in names:
+            names.append(name)
+    return names
 
 
 def parse_sort(sort: str) -> tuple[str, bool]:
+    """``(name, descending)``; ``name`` is a column of :data:`SORTS` or ``reward.<function>``."""
     descending = sort.startswith("-")
     name = sort.lstrip("-+")
-    if name not in SORTS:
-        raise ValueError(f"sort must be one of {', '.join(sorted(SORTS))} (prefix - for descending), got {sort!r}")
+    if name not in SORTS and not (name.startswith(REWARD_SORT_PREFIX) and len(name) > len(REWARD_SORT_PREFIX)):
+        raise ValueError(
+            f"sort must be one of {', '.join(sorted(SORTS))} or reward.<function> (prefix - for descending), "
+            f"got {sort!r}"
+        )
     return name, descending
 
 
-def _apply_filters(stmt, f: SampleFilters):
+def reward_value(name: str, dialect: str):
+    """One reward function's value of a row, as an SQL float (NULL when unscorable or absent). ``rewards`` is
+    JSON: ``->>`` on PostgreSQL; on SQLite the key is matched through ``json_each``, since a JSON path cannot
+    name every key (quotes, backslashes, non-ASCII letters)."""
+    if dialect == "sqlite":
+        each = func.json_each(Sample.rewards).table_valued("key", "value")
+        return type_coerce(select(each.c.value).where(each.c.key == name).scalar_subquery(), Float())
+    return Sample.rewards[name].as_float()
+
+
+def sort_column(name: str, dialect: str):
+    """The non-null expression a sort orders and pages by."""
+    if name.startswith(REWARD_SORT_PREFIX):
+        return func.coalesce(reward_value(name[len(REWARD_SORT_PREFIX) :], dialect), literal(NULL_SORT, Float()))
+    return SORTS[name]
+
+
+def _apply_filters(stmt, f: SampleFilters, dialect: str):
     if f.step is not None:
         stmt = stmt.where(Sample.step == f.step)
+    if f.group is not None:
+        stmt = stmt.where(Sample.group == f.group)
+    if f.dataset_row is not None:
+        stmt = stmt.where(Sample.dataset_row == f.dataset_row)
     if f.min_step is not None:
         stmt = stmt.where(Sample.step >= f.min_step)
     if f.max_step is not None:
         stmt = stmt.where(Sample.step <= f.max_step)
+    bounded = Sample.reward if f.reward_name is None else reward_value(f.reward_name, dialect)
     if f.min_reward is not None:
-        stmt = stmt.where(Sample.reward >= f.min_reward)
+        stmt = stmt.where(bounded >= f.min_reward)
     if f.max_reward is not None:
-        stmt = stmt.where(Sample.reward <= f.max_reward)
+        stmt = stmt.where(bounded <= f.max_reward)
     if f.advantage == "pos":
         stmt = stmt.where(Sample.advantage > 0)
     elif f.advantage == "neg":
@@ -244,27 +294,30 @@ def query_samples(
     """A page of samples, their image hashes in order, and the cursor of the next page (signed with ``key``,
     valid only for this run and sort order)."""
     name, descending = parse_sort(sort)
-    column = SORTS[name]
+    dialect = session.get_bind().dialect.name
+    column = sort_column(name, dialect)
     scope = ["samples", run_id, f"-{name}" if descending else name]
-    stmt = _apply_filters(select(Sample).where(Sample.run_id == run_id), filters)
+    stmt = select(Sample, column.label("sort_value")).where(Sample.run_id == run_id)
+    stmt = _apply_filters(stmt, filters, dialect)
     if cursor:
         value, last_id = decode_cursor(cursor, key, scope, 2)
-        is_float = name in ("reward", "advantage")
+        is_float = name in ("reward", "advantage") or name.startswith(REWARD_SORT_PREFIX)
         if not _int_in_range(last_id) or not (_finite_number(value) if is_float else _int_in_range(value)):
             raise BadCursor(NOT_OURS)
         keyset = tuple_(column, Sample.id)
-        bound = tuple_(literal(value, column.type), literal(last_id, Sample.id.type))
+        bound = tuple_(literal(float(value) if is_float else value, column.type), literal(last_id, Sample.id.type))
         stmt = stmt.where(keyset < bound if descending else keyset > bound)
     if descending:
         stmt = stmt.order_by(column.desc(), Sample.id.desc())
     else:
         stmt = stmt.order_by(column.asc(), Sample.id.asc())
-    rows = list(session.scalars(stmt.limit(limit + 1)))
+    found = session.execute(stmt.limit(limit + 1)).all()
+    rows = [r[0] for r in found]
     next_cursor = None
     if len(rows) > limit:
         rows = rows[:limit]
-        last = rows[-1]
-        next_cursor = encode_cursor([getattr(last, column.key), last.id], key, scope)
+        # the sort value as the database computed it, so the next page starts exactly after this row
+        next_cursor = encode_cursor([found[limit - 1][1], rows[-1].id], key, scope)
     return rows, image_shas(session, [r.id for r in rows]), next_cursor
 
 

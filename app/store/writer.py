@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, Opera
 from sqlmodel import Session, col
 
 from collage.app.models import table_of
+from collage.training.callbacks import scalar_columns
 from collage.training.errors import CollageError
 
 from ..db import session_scope
@@ -88,6 +89,8 @@ class SampleIn:
     group_mean: float | None = None
     group_std: float | None = None
     dataset_row: int | None = None
+    # the dataset row's scalar columns besides the prompt and images; kept as training.callbacks.scalar_columns says
+    columns: Mapping[str, Any] | None = None
 
 
 def prompt_text(prompt: Any) -> str:
@@ -380,6 +383,7 @@ class StoreWriter:
                     "group_std": std,
                     "zero_std": std is not None and abs(std) < 1e-8,
                     "dataset_row": getattr(row, "dataset_row", getattr(row, "row", None)),
+                    "columns": scalar_columns(getattr(row, "columns", None)) or None,
                 }
             )
 

@@ -1,7 +1,8 @@
 """The launch form: every config key with its default, its help text and TRL's meaning.
 
 Defaults come from the config schema itself (``training.config``), so the form cannot drift from what the API
-accepts; the help texts live here.
+accepts; the help texts live here. One default comes from the machines instead: ``resources.gpus`` is what the
+live workers of the default queue have (see :func:`gpus_default`).
 """
 
 from __future__ import annotations
@@ -205,13 +206,28 @@ def _choices(path: str) -> list[str]:
     return [str(a) for a in get_args(annotation)]
 
 
-def form_fields() -> list[FormField]:
+def gpus_default(workers: list[dict[str, Any]], queue: str | None = None) -> int | None:
+    """The launch form's ``resources.gpus``: the fewest GPUs any live worker of ``queue`` (the config's default
+    queue) has in its slot, so that the run fits whichever of them takes it; 0 when one of them has none (it
+    trains on the CPU). Workers of other queues count only when none serves ``queue``. ``None`` (the schema's
+    default) without any live worker."""
+    queue = queue or RunConfig(name="x").resources.queue
+    serving = [w for w in workers if queue in (w.get("queues") or [])] or workers
+    if not serving:
+        return None
+    return min(len(w.get("gpu_slots") or []) for w in serving)
+
+
+def form_fields(gpus: int | None = None) -> list[FormField]:
+    """Every field of the form; ``gpus`` (from :func:`gpus_default`) replaces ``resources.gpus``'s default."""
     defaults = RunConfig(name="x")
     fields = []
     for path, (help_text, kind) in HELP.items():
         default = "" if path == "name" else None if path in ALGORITHM_DEFAULTED else _lookup(defaults, path)
         if path == "tags":
             default = ""
+        if path == "resources.gpus" and gpus is not None:
+            default = gpus
         algorithm = "grpo" if path in GRPO_ONLY else "rloo" if path in RLOO_ONLY else None
         fields.append(
             FormField(

@@ -15,7 +15,7 @@ from sqlmodel import Session
 
 from ..models import ApiToken, Run
 from ..store.tokens import consume_login_link, verify_token
-from .fields import form_fields
+from .fields import form_fields, gpus_default
 from .session import CSRF_FIELD, csrf_ok, csrf_token, current_session, end_session, finish_page, start_session
 
 
@@ -126,7 +126,17 @@ def runs_page(request: Request) -> Response:
 def launch_page(request: Request, clone: str | None = None) -> Response:
     if _user(request) is None:
         return _login_redirect(request)
-    fields = form_fields()
+    from collage.worker.registry import live_workers
+
+    from ..routers.datasets import warm_up
+    from ..routers.workers import live_within
+
+    warm_up()  # the dataset helper imports the training stack now, not when *Preview and check* is pressed
+    try:
+        workers = live_workers(request.app.state.engine, within=live_within(request))
+    except Exception:  # noqa: BLE001 - the store is briefly unavailable: the schema's default
+        workers = []
+    fields = form_fields(gpus=gpus_default(workers))
     sections = {}
     for field in fields:
         sections.setdefault(field.section, []).append(field)
@@ -157,10 +167,16 @@ def rollouts_page(request: Request, run_id: str) -> Response:
         run = session.get(Run, run_id) if len(run_id) <= 32 else None
     if run is None:
         return _render(request, "error.html", 404, message=f"No run with id {run_id}.")
-    reward_names = [
-        r["name"] if ":" not in r["name"] else r["name"].rpartition(":")[2] for r in run.config.get("rewards", [])
-    ]
-    return _render(request, "rollouts.html", page="runs", run=run, reward_names=reward_names)
+    from ..store.queries import reward_names
+
+    return _render(request, "rollouts.html", page="runs", run=run, reward_names=reward_names(run.config))
+
+
+@router.get("/workers")
+def workers_page(request: Request) -> Response:
+    if _user(request) is None:
+        return _login_redirect(request)
+    return _render(request, "workers.html", page="workers")
 
 
 @router.get("/compare")

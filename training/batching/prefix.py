@@ -35,7 +35,8 @@ def prompt_groups(batch: ModelBatch) -> tuple[list[int], list[int]] | None:
     if batch.pixels and any(k is None and n for k, n in zip(keys, batch.num_images, strict=True)):
         return None
     seen: dict[tuple, int] = {}
-    firsts, inverse = [], []
+    firsts: list[int] = []
+    inverse: list[int] = []
     for row, (ids, key) in enumerate(zip(batch.input_ids[:, : batch.prompt_length].tolist(), keys, strict=True)):
         ident = (tuple(ids), key)
         if ident not in seen:
@@ -73,7 +74,7 @@ def shared_prompt_hidden(
     device = batch.input_ids.device
     prompts = _prompts_only(batch, firsts, family.layout)
     kwargs = forward_kwargs(prompts, family, image_token_id, vision(prompts) if vision else None)
-    inner = getattr(base_model(model), "model", None)
+    inner: Any = getattr(base_model(model), "model", None)
     if hasattr(inner, "rope_deltas"):
         inner.rope_deltas = None  # set by the prompt forward when it computes 3-D positions; never a stale one
     cache = DynamicCache(config=base_model(model).config)

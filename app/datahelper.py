@@ -1,0 +1,204 @@
+"""The dataset helper: a long-lived child process that answers the launch form's dataset check and preview.
+
+Each check used to start ``collage data check`` afresh, and 25-30 s of a 200-row check went to importing torch,
+torchvision and transformers and loading the model's processor again: the rows themselves take about a second.
+The web process still never imports the training stack nor opens user files: it starts this module once
+(``python -m collage.app.datahelper``, in an empty folder, lazily or when the launch page opens) and sends it
+one JSON request per line on stdin; the answer is one JSON line on stdout. The helper keeps its imports and the
+processors it loaded (per model, reloaded when a local model's files change), and exits on its own after
+``COLLAGE_DATA_HELPER_IDLE`` seconds without a request (default 600) or when its stdin closes (the web process
+ended), giving the memory back.
+
+Requests: ``{"op": "warm", "wait": false}`` (import the stack in the background; answered at once unless
+``wait``), ``{"op": "check", "source", "split", "model",
+"max_prompt_length", "synth": {...}}`` (the ``collage data check --json`` report), ``{"op": "preview", "source",
+"split", "rows", "artifacts", "synth": {...}}`` (the ``collage data preview`` rows, images written under
+``artifacts``). Answers: ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "one line"}``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import select
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+IDLE_ENV = "COLLAGE_DATA_HELPER_IDLE"
+DEFAULT_IDLE = 600.0
+
+_processors: dict[tuple, tuple[Any, Any]] = {}
+
+
+def _model_key(model: str) -> tuple:
+    """The processor cache key: the model string, plus each file's size and mtime for a local folder."""
+    folder = Path(model)
+    if folder.is_dir():
+        files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(folder.iterdir()) if f.is_file())
+        return (model, files)
+    return (model,)
+
+
+def _processor(model: str) -> tuple[Any, Any]:
+    from collage.training.models.loading import load_processor
+
+    key = _model_key(model)
+    if key not in _processors:
+        for old in [k for k in _processors if k[0] == model]:
+            del _processors[old]
+        try:
+            _processors[key] = load_processor(model)
+        except Exception as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith(model) else f"model {model}: {message}") from exc
+    return _processors[key]
+
+
+def _import_stack() -> None:
+    try:
+        import torch  # noqa: F401
+        import transformers.image_processing_utils  # noqa: F401 - pulls torchvision in, the slowest import
+        from transformers import AutoProcessor  # noqa: F401
+
+        import collage.training.batching.inputs
+        import collage.training.models.loading  # noqa: F401
+    except ImportError as exc:  # a web-only install: a check with a model says so when it is asked for
+        print(f"collage data helper: the training stack is not installed ({exc})", file=sys.stderr)
+
+
+_warming: threading.Thread | None = None
+
+
+def warm(wait: bool = False) -> dict[str, Any]:
+    """Import the training stack in a background thread and answer at once (or, with ``wait``, once it is
+    imported): a preview (which needs none of it) is answered meanwhile; a check with a model waits for it
+    (:func:`_stack_ready`)."""
+    global _warming
+    if _warming is None:
+        _warming = threading.Thread(target=_import_stack, name="collage-data-warm", daemon=True)
+        _warming.start()
+    if wait:
+        _warming.join()
+    return {"warming": _warming.is_alive()}
+
+
+def _stack_ready() -> None:
+    # never import the same modules from two threads at once: wait for the warm-up if one runs
+    if _warming is not None:
+        _warming.join()
+
+
+def check(req: dict[str, Any]) -> dict[str, Any]:
+    from collage.training.data.check import cached_check
+    from collage.training.data.loader import load_dataset
+
+    source, split = req["source"], req.get("split", "train")
+    model, max_prompt_length = req.get("model"), req.get("max_prompt_length")
+    if max_prompt_length is not None and model is None:
+        raise ValueError("--max-prompt-length needs --model to count the prompt's tokens")
+    synth = (req.get("synth") or {}) if source.startswith("synth:") else {}
+    dataset = load_dataset(source, split, **synth)
+
+    def encoder() -> Any:
+        if model is None:
+            return None
+        _stack_ready()
+        from collage.training.batching.inputs import PromptEncoder
+
+        processor, family = _processor(model)
+        return PromptEncoder(processor, family, max_prompt_length)
+
+    return cached_check(dataset, model, max_prompt_length, encoder).to_dict()
+
+
+def preview(req: dict[str, Any]) -> dict[str, Any]:
+    from collage.app.store.images import write_image
+    from collage.training.data.loader import load_dataset
+    from collage.training.data.rows import RowError
+
+    source, split, artifacts = req["source"], req.get("split", "train"), Path(req["artifacts"])
+    synth = (req.get("synth") or {}) if source.startswith("synth:") else {}
+    dataset = load_dataset(source, split, **synth)
+    rows = []
+    for raw in dataset.rows[: int(req.get("rows", 5))]:
+        entry: dict[str, Any] = {"row": raw.row, "prompt": raw.data.get("prompt"), "images": [], "error": None}
+        entry["columns"] = {k: v for k, v in raw.data.items() if k not in ("prompt", "images", "image")}
+        try:
+            sample = raw.to_sample()
+        except RowError as err:
+            entry["error"] = err.message
+            rows.append(entry)
+            continue
+        entry["prompt"] = sample.prompt
+        for image in sample.images:
+            buf = io.BytesIO()
+            image.save(buf, format="PNG")
+            png = buf.getvalue()
+            sha, rel = write_image(artifacts, png)
+            entry["images"].append(
+                {"sha256": sha, "width": image.width, "height": image.height, "size_bytes": len(png), "path": rel}
+            )
+        rows.append(entry)
+    return {"source": source, "rows": rows, "total_rows": len(dataset)}
+
+
+OPS = {"warm": lambda req: warm(bool(req.get("wait"))), "check": check, "preview": preview}
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    text = lines[0] if len(lines) == 1 else "; ".join(line.strip() for line in lines[:21])
+    return text or type(exc).__name__
+
+
+def answer(line: str) -> dict[str, Any]:
+    try:
+        req = json.loads(line)
+        op = OPS.get(req.get("op")) if isinstance(req, dict) else None
+        if op is None:
+            return {"ok": False, "error": f"unknown request {line[:100]!r}"}
+        return {"ok": True, "result": op(req)}
+    except Exception as exc:  # noqa: BLE001 - every failure is answered, the helper keeps serving
+        return {"ok": False, "error": _one_line(exc)}
+
+
+def _import_light() -> None:
+    """What a preview needs (no torch): imported before any warm-up thread starts."""
+    from PIL import Image
+
+    import collage.app.store.images
+    import collage.training.data.check
+    import collage.training.data.loader
+    import collage.training.data.synth  # noqa: F401
+
+    Image.init()  # the image format plugins, imported lazily otherwise
+
+
+def main() -> int:
+    idle = float(os.environ.get(IDLE_ENV, DEFAULT_IDLE))
+    _import_light()
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # anything a library prints goes to stderr: stdout carries only answers
+    sys.stdout = sys.stderr
+    buffer = b""
+    while True:
+        while b"\n" not in buffer:
+            ready, _, _ = select.select([0], [], [], idle)
+            if not ready:
+                return 0  # idle: give the memory back; the web process starts a new helper when needed
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                return 0  # the web process is gone
+            buffer += chunk
+        line, _, buffer = buffer.partition(b"\n")
+        if not line.strip():
+            continue
+        out.write(json.dumps(answer(line.decode("utf-8", "replace")), default=str) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
