@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: set up, lint, type-check, pytest, then the wheel smoke test
-# (the built wheel in fresh virtual environments). Extra arguments go to pytest.
+# (the built wheel in fresh virtual environments). Extra arguments go to pytest (and run it alone, in order).
+#
+# Without arguments three jobs run side by side, since most of their time is waiting on servers, workers and
+# installs: the browser and tracker tests (their own `collage serve` on SQLite each), every other test, and the
+# wheel smoke test. Each pytest session has its own COLLAGE_HOME and its own PostgreSQL database
+# (tests/conftest.py), so they share nothing but the machine. The logs of the side jobs are printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,5 +14,27 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 bash scripts/typecheck.sh
-.venv/bin/python -m pytest "$@"
-bash scripts/wheel_smoke.sh
+if [ "$#" -gt 0 ]; then
+  .venv/bin/python -m pytest "$@"
+  bash scripts/wheel_smoke.sh
+  exit 0
+fi
+
+side=(tests/test_dashboard.py tests/test_dash_charts.py tests/test_dash_look.py tests/test_dash_ops.py
+      tests/test_dash_rollouts.py tests/test_trackers.py)
+ignore=()
+for f in "${side[@]}"; do ignore+=("--ignore=$f"); done
+logs=$(mktemp -d)
+bash scripts/wheel_smoke.sh >"$logs/wheel.log" 2>&1 &
+wheel=$!
+.venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$logs/browser.log" 2>&1 &
+browser=$!
+status=0
+.venv/bin/python -m pytest -p no:cacheprovider "${ignore[@]}" || status=1
+wait "$browser" || status=1
+echo "---- browser and tracker tests"
+cat "$logs/browser.log"
+wait "$wheel" || status=1
+echo "---- wheel smoke test"
+cat "$logs/wheel.log"
+exit "$status"
