@@ -62,35 +62,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_preview(args: argparse.Namespace) -> int:
-    import io
     from pathlib import Path
 
     from collage.training.data.loader import load_dataset
-    from collage.training.data.rows import RowError
 
-    from .store.images import write_image
+    from .datahelper import preview_rows
 
     dataset = load_dataset(args.source, args.split)
-    rows = []
-    for raw in dataset.rows[: args.rows]:
-        entry = {"row": raw.row, "prompt": raw.data.get("prompt"), "images": [], "error": None}
-        entry["columns"] = {k: v for k, v in raw.data.items() if k not in ("prompt", "images", "image")}
-        try:
-            sample = raw.to_sample()
-        except RowError as err:
-            entry["error"] = err.message
-            rows.append(entry)
-            continue
-        entry["prompt"] = sample.prompt
-        for image in sample.images:
-            buf = io.BytesIO()
-            image.save(buf, format="PNG")
-            png = buf.getvalue()
-            sha, rel = write_image(Path(args.artifacts), png)
-            entry["images"].append(
-                {"sha256": sha, "width": image.width, "height": image.height, "size_bytes": len(png), "path": rel}
-            )
-        rows.append(entry)
+    rows = preview_rows(dataset, args.rows, Path(args.artifacts))
     print(json.dumps({"source": args.source, "rows": rows}, default=str))
     return 0
 

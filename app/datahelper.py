@@ -114,16 +114,14 @@ def check(req: dict[str, Any]) -> dict[str, Any]:
     return cached_check(dataset, model, max_prompt_length, encoder).to_dict()
 
 
-def preview(req: dict[str, Any]) -> dict[str, Any]:
+def preview_rows(dataset: Any, limit: int, artifacts: Path) -> list[dict[str, Any]]:
+    """The first ``limit`` rows as the preview shows them: the prompt, the other columns, each image written to the
+    content-addressed store under ``artifacts``, or the row's error. ``collage data preview`` prints the same."""
     from collage.app.store.images import write_image
-    from collage.training.data.loader import load_dataset
     from collage.training.data.rows import RowError
 
-    source, split, artifacts = req["source"], req.get("split", "train"), Path(req["artifacts"])
-    synth = (req.get("synth") or {}) if source.startswith("synth:") else {}
-    dataset = load_dataset(source, split, **synth)
     rows = []
-    for raw in dataset.rows[: int(req.get("rows", 5))]:
+    for raw in dataset.rows[:limit]:
         entry: dict[str, Any] = {"row": raw.row, "prompt": raw.data.get("prompt"), "images": [], "error": None}
         entry["columns"] = {k: v for k, v in raw.data.items() if k not in ("prompt", "images", "image")}
         try:
@@ -142,6 +140,16 @@ def preview(req: dict[str, Any]) -> dict[str, Any]:
                 {"sha256": sha, "width": image.width, "height": image.height, "size_bytes": len(png), "path": rel}
             )
         rows.append(entry)
+    return rows
+
+
+def preview(req: dict[str, Any]) -> dict[str, Any]:
+    from collage.training.data.loader import load_dataset
+
+    source, split, artifacts = req["source"], req.get("split", "train"), Path(req["artifacts"])
+    synth = (req.get("synth") or {}) if source.startswith("synth:") else {}
+    dataset = load_dataset(source, split, **synth)
+    rows = preview_rows(dataset, int(req.get("rows", 5)), artifacts)
     return {"source": source, "rows": rows, "total_rows": len(dataset)}
 
 
