@@ -71,9 +71,12 @@ for _ in $(seq 1 120); do
   kill -0 "$server" 2>/dev/null || { cat "$work/serve.log"; exit 1; }
   sleep 0.5
 done
-curl -fsS "http://127.0.0.1:$port/login" | grep -q "<form" || { say "GET /login failed"; cat "$work/serve.log"; exit 1; }
+# to a file first: `curl | grep -q` fails under pipefail when grep stops reading early (curl: Failed writing body)
+curl -fsS -o "$work/login.html" "http://127.0.0.1:$port/login"
+grep -q "<form" "$work/login.html" || { say "GET /login failed"; cat "$work/serve.log"; exit 1; }
 curl -fsS -o /dev/null "http://127.0.0.1:$port/static/vendor/uplot-1.6.32/uPlot.iife.min.js"
-curl -fsS "http://127.0.0.1:$port/static/collage.css" | grep -q "{" 
+curl -fsS -o "$work/collage.css" "http://127.0.0.1:$port/static/collage.css"
+grep -q "{" "$work/collage.css"
 say "collage serve --workers 0 from the [web] install serves /login and its static assets"
 kill "$server"; wait "$server" 2>/dev/null || true; server=""
 
