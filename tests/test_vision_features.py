@@ -8,6 +8,7 @@ completions sampled next.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -90,7 +91,16 @@ def test_cached_features_are_an_eval_mode_encode_and_leave_the_rng_alone(tiny_mo
     policy.eval()
     want = VisionFeatures(fam).encoder_outputs(policy, batch, POLICY)
     policy.train()
+    language.eval()
     assert _outputs_equal(cached, want)
+
+    # a batch without content keys (restored from an older checkpoint) is encoded the same way, and not kept
+    unkeyed = VisionFeatures(fam)
+    rng = torch.get_rng_state()
+    got = unkeyed.encoder_outputs(policy, dataclasses.replace(batch, image_keys=[]), POLICY)
+    assert torch.equal(torch.get_rng_state(), rng) and [m.training for m in policy.modules()] == modes
+    assert _outputs_equal(got, want) and unkeyed.entries == {}
+    assert unkeyed.images_encoded == sum(batch.num_images)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -101,23 +101,30 @@ class VisionFeatures:
 
     def encoder_outputs(self, model: Any, batch: Any, scope: str) -> Any | None:
         """``mm_encoder_outputs["image"]`` for ``batch`` (a :class:`~training.batching.inputs.ModelBatch`),
-        encoding only the samples not yet seen in ``scope``; ``None`` when the batch has no images or its samples
-        carry no keys (a batch restored from an older checkpoint)."""
-        keys = getattr(batch, "image_keys", None)
-        if not batch.pixels or not keys or len(keys) != batch.batch_size:
+        encoding only the samples not yet seen in ``scope``; ``None`` when the batch has no images. Samples without
+        a content key (a batch restored from an older checkpoint) are encoded the same way, for this call only."""
+        if not batch.pixels:
             return None
-        missing = [s for s, k in enumerate(keys) if k is not None and (scope, k) not in self.entries]
+        keys = list(getattr(batch, "image_keys", None) or [])
+        if len(keys) != batch.batch_size:
+            keys = [None] * batch.batch_size
+        with_images = [s for s in range(batch.batch_size) if batch.num_images[s]]
+        unkept: dict[int, Any] = {}
+        missing = [s for s in with_images if keys[s] is None or (scope, keys[s]) not in self.entries]
         if missing:
             per_sample = split_pixels(self.family.layout, batch.pixels, batch.num_images)
             inner = _model_inner(model)
             with torch.no_grad(), eval_mode(inner):
                 for s in missing:
-                    key = (scope, keys[s])
-                    if key in self.entries:  # the same sample twice in this batch
+                    if keys[s] is not None and (scope, keys[s]) in self.entries:  # the same sample twice here
                         continue
-                    self.entries[key] = self._encode(inner, per_sample[s], batch.num_images[s])
+                    out = self._encode(inner, per_sample[s], batch.num_images[s])
+                    if keys[s] is None:
+                        unkept[s] = out
+                    else:
+                        self.entries[(scope, keys[s])] = out
                     self.images_encoded += batch.num_images[s]
-        outputs = [self.entries[(scope, k)] for k in keys if k is not None]
+        outputs = [unkept[s] if keys[s] is None else self.entries[(scope, keys[s])] for s in with_images]
         return join_encoder_outputs(outputs) if outputs else None
 
     def _encode(self, inner: Any, pixels: Pixels, num_images: int) -> Any:
