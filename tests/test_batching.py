@@ -19,6 +19,8 @@ from collage.training.batching.inputs import (
 from collage.training.data.loader import load_dataset
 from collage.training.models.families import TINY_FAMILIES
 
+from .canary import assert_only_rows_move, most_images, repaint
+
 TOL = 1e-5
 
 
@@ -40,7 +42,8 @@ def _random_completions(n, vocab, seed):
 def test_logprobs_in_a_shuffled_mixed_batch_equal_each_sample_alone(tiny, family, varied_dir):
     """Rows of 0..5 images of different sizes, with the family's real processor defaults (tiles for
     Idefics3/SmolVLM, variable patch grids for anyres): a row's log-probs inside a shuffled batch and inside
-    micro-batches cut from it equal the row alone."""
+    micro-batches cut from it equal the row alone. The canary: repainting one image in the middle of the 5-image row
+    moves that row's log-probs, in the batch and in its micro-batch, and no other row's."""
     model, processor, fam, samples, encoder, image_id = _setup(tiny, family, varied_dir)
     counts = [s.num_images for s in samples]
     assert 0 in counts and max(counts) == 5, "the fixture must mix text-only and many-image rows"
@@ -50,23 +53,29 @@ def test_logprobs_in_a_shuffled_mixed_batch_equal_each_sample_alone(tiny, family
         assert any(p.pixels["pixel_values"].shape[0] > p.num_images for p in prompts if p.num_images)
     completions = _random_completions(len(prompts), len(processor.tokenizer), seed=1)
     pad = processor.tokenizer.pad_token_id
-    batch = collate(prompts, fam, pad, completions)
     order = list(range(len(prompts)))
     random.Random(5).shuffle(order)
-    shuffled = batch.select(order, fam.layout)
+    half = len(order) // 2
+
+    def batch_and_micro(prompts):
+        shuffled = collate(prompts, fam, pad, completions).select(order, fam.layout)
+        with torch.no_grad():
+            in_batch = completion_logprobs(model, shuffled, fam, image_id)
+            # micro-batches cut from the shuffled batch must agree too
+            micro = torch.cat(
+                [
+                    _pad_right(
+                        completion_logprobs(model, shuffled.slice(lo, hi, fam.layout), fam, image_id),
+                        in_batch.shape[1],
+                    )
+                    for lo, hi in ((0, half), (half, len(order)))
+                ]
+            )
+        return shuffled, in_batch, micro
+
+    shuffled, in_batch, micro = batch_and_micro(prompts)
+    worst = 0.0
     with torch.no_grad():
-        in_batch = completion_logprobs(model, shuffled, fam, image_id)
-        # micro-batches cut from the shuffled batch must agree too
-        half = len(order) // 2
-        micro = torch.cat(
-            [
-                _pad_right(
-                    completion_logprobs(model, shuffled.slice(lo, hi, fam.layout), fam, image_id), in_batch.shape[1]
-                )
-                for lo, hi in ((0, half), (half, len(order)))
-            ]
-        )
-        worst = 0.0
         for j, i in enumerate(order):
             alone = completion_logprobs(model, collate([prompts[i]], fam, pad, [completions[i]]), fam, image_id)[0]
             n = len(completions[i])
@@ -74,6 +83,14 @@ def test_logprobs_in_a_shuffled_mixed_batch_equal_each_sample_alone(tiny, family
             worst = max(worst, (in_batch[j, :n] - alone[:n]).abs().max().item())
             worst = max(worst, (micro[j, :n] - alone[:n]).abs().max().item())
     assert worst <= TOL, f"{family}: max |diff| {worst}"
+
+    k = most_images(samples)
+    repainted = list(prompts)
+    repainted[k] = encoder.encode(repaint(samples[k], image=2))
+    _, in_batch_after, micro_after = batch_and_micro(repainted)
+    mask = shuffled.completion_mask
+    assert_only_rows_move(in_batch, in_batch_after, mask, [order.index(k)], f"{family} in the batch")
+    assert_only_rows_move(micro, micro_after, mask, [order.index(k)], f"{family} in its micro-batch")
 
 
 def _pad_right(t, width):
@@ -102,6 +119,17 @@ def test_generation_on_a_mixed_batch(tiny, family, count_red_dir):
         alone_tokens, alone_scores = greedy(collate([prompt], fam, pad))
         assert tokens[i].tolist() == alone_tokens[0].tolist(), (family, i)
         torch.testing.assert_close(scores[i], alone_scores[0], atol=1e-4, rtol=1e-4)
+    # the canary: repainting the last image of the row with the most images moves the scores of that row's first
+    # token (after it, the greedy tokens may differ) and leaves every other row's tokens and scores as they were
+    k = most_images(samples[:6])
+    repainted = list(prompts)
+    repainted[k] = encoder.encode(repaint(samples[k]))
+    tokens_after, scores_after = greedy(collate(repainted, fam, pad))
+    others = [i for i in range(len(prompts)) if i != k]
+    assert tokens_after[others].tolist() == tokens[others].tolist(), family
+    first_before, first_after = scores[:, 0], scores_after[:, 0]
+    assert_only_rows_move(first_before, first_after, torch.ones_like(first_before), [k], family)
+    torch.testing.assert_close(scores_after[others], scores[others], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -34,6 +34,8 @@ from collage.training.data.rows import Sample
 from collage.training.models.families import FAMILIES, IMAGE_INDEXED, TINY_FAMILIES, family_for_model_type
 from collage.training.models.loading import load_processor
 
+from .canary import assert_only_rows_move, most_images, repaint
+
 ROOT = Path(__file__).resolve().parents[1]
 NEW_FAMILIES = ("qwen3-vl", "gemma3", "llava-onevision", "internvl", "smolvlm")
 TOL = 1e-5
@@ -262,13 +264,24 @@ def test_the_batch_path_feeds_the_model_what_its_processor_does(tiny, family):
     model, processor, fam = tiny(family)
     encoder = PromptEncoder(processor, fam)
     pad = processor.tokenizer.pad_token_id
-    for sample in _varied_samples(3):
-        completion = [70, 71, 72, 73]
+    completion = [70, 71, 72, 73]
+
+    def both(sample):
         want = _processor_logprobs(model, processor, sample, completion)
         batch = collate([encoder.encode(sample)], fam, pad, [completion])
         with torch.no_grad():
             got = completion_logprobs(model, batch, fam, encoder.image_token_id)[0]
         assert (got - want).abs().max().item() <= TOL, (family, sample.num_images)
+        return got
+
+    samples = _varied_samples(3)
+    for sample in samples:
+        both(sample)
+    # the canary: the same equality with the middle image of the 3-image row repainted, which moves its log-probs
+    k = most_images(samples)
+    assert samples[k].num_images == 3
+    before, after = both(samples[k]), both(repaint(samples[k], image=1))
+    assert_only_rows_move(before[None], after[None], torch.ones_like(before[None]), [0], family)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llava-onevision"])
@@ -355,6 +368,14 @@ def test_gemma3_pan_and_scan_crops_stay_with_their_row(tiny):
             micro = parts[j // 3][j % 3]
             assert (whole[j, :n] - alone[:n]).abs().max().item() <= TOL, (i, "in the batch")
             assert (micro[:n] - alone[:n]).abs().max().item() <= TOL, (i, "in a micro-batch")
+    # the canary: repainting the 900x300 image (its crops with it) in the middle of row 4 moves that row alone
+    repainted = list(prompts)
+    repainted[4] = encoder.encode(repaint(samples[4], image=1))
+    assert repainted[4].pixels["pixel_values"].shape == prompts[4].pixels["pixel_values"].shape
+    with torch.no_grad():
+        after = completion_logprobs(model, collate(repainted, fam, pad, completions).select(order, fam.layout), fam,
+                                    encoder.image_token_id)  # fmt: skip
+    assert_only_rows_move(whole, after, shuffled.completion_mask, [order.index(4)], "gemma3 pan-and-scan")
 
 
 # --------------------------------------------------------------- rewards and `collage train`, end to end

@@ -43,22 +43,132 @@ def test_put_blocks_at_capacity_while_the_sink_is_slow():
     assert done == [1, 2, 3]
 
 
-def test_errors_from_the_thread_are_raised_on_the_next_call():
-    writer = BackgroundWriter(maxsize=4)
+def _boom():
+    raise ValueError("sink failed")
 
-    def boom():
-        raise ValueError("sink failed")
 
-    writer.put(boom)
-    with pytest.raises(ValueError, match="sink failed"):
-        writer.flush()
-    writer.put(boom)
-    time.sleep(0.1)
-    with pytest.raises(ValueError, match="sink failed"):
-        writer.put(lambda: None)
-    writer.put(boom)
+def _in_thread(call, timeout: float = 30.0) -> BaseException | None:
+    """Run ``call`` on a thread with a generous liveness bound; returns what it raised (a hang fails the test)."""
+    raised: list[BaseException | None] = [None]
+
+    def run():
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            raised[0] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{call} hung"
+    return raised[0]
+
+
+def test_after_a_failure_nothing_more_is_written_and_every_call_raises():
+    """One rule: once a task raised, the tasks queued behind it and every task queued later never run, and every
+    later put, flush and close raises that same error (flush twice, close twice included)."""
+    release = threading.Event()
+    done: list[str] = []
+    writer = BackgroundWriter(maxsize=8)
+    writer.put(lambda: (release.wait(30), _boom()))
+    writer.put(lambda: done.append("queued before the failure"))
+    writer.put(lambda: done.append("queued before the failure, too"))
+    release.set()
+    errors = []
+    for call in (writer.flush, writer.flush, lambda: writer.put(lambda: done.append("put after")), writer.close,
+                 writer.close, lambda: writer.put(lambda: done.append("put after close"))):  # fmt: skip
+        error = _in_thread(call)
+        assert isinstance(error, ValueError) and str(error) == "sink failed", (call, error)
+        errors.append(error)
+    assert len({id(e) for e in errors}) == 1, "the original error itself, every time"
+    assert done == []
+
+
+def test_a_put_waiting_for_room_when_a_task_fails_raises_and_its_task_never_runs():
+    release = threading.Event()
+    done: list[int] = []
+    writer = BackgroundWriter(maxsize=1)
+    writer.put(lambda: (release.wait(30), _boom()))  # taken by the thread, which blocks in the sink
+    time.sleep(0.05)
+    writer.put(lambda: done.append(2))  # fills the queue
+    outcome: list[BaseException | None] = []
+    third = threading.Thread(target=lambda: outcome.append(_in_thread(lambda: writer.put(lambda: done.append(3)))))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive(), "put must block while the queue is full"
+    release.set()
+    third.join(30)
+    assert isinstance(outcome[0], ValueError)
     with pytest.raises(ValueError, match="sink failed"):
         writer.close()
+    assert done == []
+
+
+def test_an_on_error_hook_that_raises_neither_hangs_nor_hides_the_error():
+    """The hook runs after the error is recorded; if it raises, that is logged, the thread lives on, and every later
+    call raises the task's error (it used to kill the thread before the error was recorded: flush then passed, and
+    the next one blocked for ever)."""
+    seen: list[BaseException] = []
+
+    def hook(exc):
+        seen.append(exc)
+        raise RuntimeError("the hook failed too")
+
+    done: list[int] = []
+    writer = BackgroundWriter(maxsize=2, on_error=hook)
+    writer.put(_boom)
+    for call in (writer.flush, lambda: writer.put(lambda: done.append(1)), writer.flush, writer.close):
+        error = _in_thread(call)
+        assert isinstance(error, ValueError) and str(error) == "sink failed", (call, error)
+    assert len(seen) == 1 and seen[0] is error
+    assert done == []
+
+
+def test_an_error_is_raised_with_the_failed_tasks_traceback():
+    writer = BackgroundWriter(maxsize=2)
+    writer.put(_boom)
+    for _ in range(3):  # raised again and again, its traceback does not grow
+        with pytest.raises(ValueError) as info:
+            writer.flush()
+        names = [entry.name for entry in info.traceback]
+        assert names.count("_boom") == 1 and names.count("flush") == 1, names
+    with pytest.raises(ValueError):
+        writer.close()
+
+
+def test_a_failing_callback_still_lets_every_other_callback_hear_the_failure_and_the_end(tmp_path):
+    """A callback whose background writer failed raises its error into the trainer; the failure path (the error
+    event, then on_end) still reaches every other callback, the failed one hears on_end only (and raises there
+    again), and train() raises the original error."""
+    from .test_training import Recorder
+
+    class FailingSink(Callback):
+        def __init__(self):
+            self.writer = BackgroundWriter(maxsize=2)
+            self.written: list[int] = []
+            self.heard: list[str] = []
+
+        def on_metrics(self, step, metrics):
+            self.writer.put(_boom if step == 1 else lambda: self.written.append(step))
+
+        def on_event(self, level, message):
+            self.heard.append(level)
+            self.writer.put(lambda: self.written.append(-1))
+
+        def on_progress(self, step, max_steps, seconds_per_step):
+            self.writer.flush()
+
+        def on_end(self, status, error=None):
+            self.heard.append(f"end {status}")
+            self.writer.close()
+
+    sink, recorder = FailingSink(), Recorder()
+    with pytest.raises(ValueError, match="sink failed"):
+        Trainer(make_config(train={"max_steps": 3}), None, [sink, recorder]).train()
+    assert sink.written == [] and sink.heard == ["end failed"]
+    assert [level for level, _ in recorder.events] == ["error"] and "sink failed" in recorder.events[0][1]
+    assert recorder.ended is not None and recorder.ended[0] == "failed"
+    assert [step for step, _ in recorder.metrics] == [1]
 
 
 def test_close_drains_everything_queued():

@@ -4,6 +4,7 @@ path."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,10 +16,13 @@ from collage.training.batching.inputs import (
     completion_logprobs_and_entropy,
     generation_kwargs,
 )
+from collage.training.batching.prefix import prompt_groups
 from collage.training.batching.vision import SHARED, VisionFeatures
 from collage.training.data.loader import load_dataset
 from collage.training.generation import Sampling, eos_ids, generate
 from collage.training.models.families import TINY_FAMILIES
+
+from .canary import CANARY_MARGIN, assert_only_rows_move, most_images, repaint
 
 TOL = 1e-5
 
@@ -116,28 +120,44 @@ def test_cached_features_and_shared_prompts_give_the_same_logprobs(tiny, family,
     """Rows of 0..5 images of varied sizes (the families' real tiling and anyres defaults), each repeated as a
     group, shuffled and cut into micro-batches: log-probs and entropies from cached features, with or without each
     distinct prompt run once, equal the plain row-by-row forward from pixels; the tower encodes each distinct
-    row's images exactly once across every micro-batch."""
+    row's images exactly once across every micro-batch. The canary: with one image of the 5-image row repainted,
+    the same cache encodes that row again (it is keyed by content) and only that group's log-probs move."""
     model, processor, fam = tiny(family)
     encoder = PromptEncoder(processor, fam)
     samples = load_dataset(str(varied_dir)).load_all()
-    shuffled = _grouped_batch(processor, fam, encoder, samples, 3, seed=2)
     cache = VisionFeatures(fam)
-    worst = 0.0
-    shared_any = False
-    with torch.no_grad():
-        for lo in range(0, shuffled.batch_size, 6):
-            mb = shuffled.slice(lo, min(lo + 6, shuffled.batch_size), fam.layout)
-            plain, plain_ent = completion_logprobs_and_entropy(model, mb, fam, encoder.image_token_id)
-            got, ent = completion_logprobs_and_entropy(
-                model, mb, fam, encoder.image_token_id, share_prompts=share_prompts,
-                vision=lambda b: cache.encoder_outputs(model, b, SHARED),
-            )  # fmt: skip
-            shared_any |= len({tuple(r) for r in mb.input_ids[:, : mb.prompt_length].tolist()}) < mb.batch_size
-            m = mb.completion_mask
-            worst = max(worst, ((plain - got) * m).abs().max().item(), ((plain_ent - ent) * m).abs().max().item())
-    assert worst <= TOL, f"{family}: max |diff| {worst}"
-    assert shared_any, "some micro-batch must hold two rows of one group"
+
+    def engine_logps(samples):
+        shuffled = _grouped_batch(processor, fam, encoder, samples, 3, seed=2)
+        worst = 0.0
+        shared_any = False
+        parts = []
+        with torch.no_grad():
+            for lo in range(0, shuffled.batch_size, 6):
+                mb = shuffled.slice(lo, min(lo + 6, shuffled.batch_size), fam.layout)
+                plain, plain_ent = completion_logprobs_and_entropy(model, mb, fam, encoder.image_token_id)
+                got, ent = completion_logprobs_and_entropy(
+                    model, mb, fam, encoder.image_token_id, share_prompts=share_prompts,
+                    vision=lambda b: cache.encoder_outputs(model, b, SHARED),
+                )  # fmt: skip
+                shared_any |= len({tuple(r) for r in mb.input_ids[:, : mb.prompt_length].tolist()}) < mb.batch_size
+                m = mb.completion_mask
+                worst = max(worst, ((plain - got) * m).abs().max().item(), ((plain_ent - ent) * m).abs().max().item())
+                parts.append(torch.nn.functional.pad(got, (0, shuffled.completion_mask.shape[1] - got.shape[1])))
+        assert worst <= TOL, f"{family}: max |diff| {worst}"
+        assert shared_any, "some micro-batch must hold two rows of one group"
+        return shuffled, torch.cat(parts)
+
+    shuffled, before = engine_logps(samples)
     assert cache.images_encoded == sum(s.num_images for s in samples), "each distinct row's images once"
+    k = most_images(samples)
+    changed = list(samples)
+    changed[k] = repaint(samples[k], image=2)
+    _, after = engine_logps(changed)
+    assert cache.images_encoded == sum(s.num_images for s in samples) + samples[k].num_images
+    group = [j for j, row in enumerate(shuffled.rows) if row == samples[k].row]
+    assert len(group) == 3
+    assert_only_rows_move(before, after, shuffled.completion_mask, group, family)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -290,3 +310,27 @@ def test_bucketed_micro_batches_give_the_same_gradients(monkeypatch):
     assert any(g.abs().max() > 0 for g in bucketed.values())
     for name, grad in bucketed.items():
         torch.testing.assert_close(grad, shuffled[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_equal_padded_ids_with_different_masks_are_different_prompts(tiny, family, count_red_dir):
+    """A prompt whose first real token is the pad id, next to the same prompt without that token: left-padded, their
+    ids are equal and only their attention masks differ. They are two prompts, so running each distinct prompt once
+    gives every row its own log-probs, those of the row-by-row forward."""
+    model, processor, fam = tiny(family)
+    encoder = PromptEncoder(processor, fam)
+    sample = next(s for s in load_dataset(str(count_red_dir)).load_all() if s.num_images)
+    short = encoder.encode(sample)
+    pad = processor.tokenizer.pad_token_id
+    long = dataclasses.replace(short, input_ids=[pad, *short.input_ids])
+    batch = collate([short, long, short, long], fam, pad, [[70, 71, 72], [73, 74], [75], [70, 71, 72]])
+    p = batch.prompt_length
+    assert torch.equal(batch.input_ids[0, :p], batch.input_ids[1, :p]) and batch.image_keys[0] == batch.image_keys[1]
+    assert not torch.equal(batch.attention_mask[0, :p], batch.attention_mask[1, :p])
+    with torch.no_grad():
+        plain = completion_logprobs_and_entropy(model, batch, fam, encoder.image_token_id)[0]
+        shared = completion_logprobs_and_entropy(model, batch, fam, encoder.image_token_id, share_prompts=True)[0]
+    m = batch.completion_mask
+    assert (plain[0] - plain[3]).abs().max().item() > CANARY_MARGIN, "the extra real token changes the prompt"
+    assert ((plain - shared) * m).abs().max().item() <= TOL, family
+    assert prompt_groups(batch) == ([0, 1], [0, 1, 0, 1])

@@ -7,12 +7,15 @@ import shutil
 
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from collage.training.modeling import is_vision_param
 from collage.training.models.families import TINY_FAMILIES, family_for_model_type
 from collage.training.models.loading import ProcessorError, check_processor, load_processor, resolve_model_path
 from collage.training.models.tiny import build_tiny
+
+from .canary import CANARY_MARGIN
 
 IMAGE_MARKUP = {
     "qwen2-vl": "<|vision_start|><|image_pad|><|vision_end|>",
@@ -36,6 +39,11 @@ def test_build_reload_and_run(family, tmp_path):
     model = AutoModelForImageTextToText.from_pretrained(out)
     assert processor.image_processor is not None
     assert family_for_model_type(model.config.model_type).name == family
+    # no weight matrix, embedding or token between the pixels and the language model is left all zeros (biases and
+    # Gemma's 1-centred norm weights are zeros by design; transformers zero-initialises Gemma 3's projection and
+    # InternViT's class token and position embeddings, which a real checkpoint loads)
+    zeros = [n for n, p in model.named_parameters() if is_vision_param(n) and p.dim() >= 2 and not p.any()]
+    assert not zeros, f"{family}: all-zero vision-side weights {zeros}"
 
     messages = [
         {
@@ -63,6 +71,17 @@ def test_build_reload_and_run(family, tmp_path):
     with torch.no_grad():
         logits = model(**enc).logits
     assert torch.isfinite(logits).all()
+    # the model sees its images: each one's colour negative (same sizes, so the same tokens) moves the next-token
+    # logits; a builder that leaves a zero weight on the path from pixels to logits (transformers initialises Gemma
+    # 3's projection so) makes a blind model that passes every equality test
+    for k in range(2):
+        other = list(images)
+        other[k] = ImageOps.invert(images[k])
+        moved = processor(text=[text], images=[other], return_tensors="pt")
+        assert torch.equal(moved["input_ids"], enc["input_ids"])
+        with torch.no_grad():
+            shift = (model(**moved).logits[0, -1] - logits[0, -1]).abs().max().item()
+        assert shift > CANARY_MARGIN, f"{family}: image {k} repainted moves the logits by {shift:.2e} only"
     generated = model.generate(**enc, max_new_tokens=4, do_sample=False)
     assert generated.shape[1] > enc["input_ids"].shape[1]
     # the generation config stops on the chat template's end-of-turn token

@@ -93,7 +93,8 @@ _LIVE_WRITERS: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
 
 @atexit.register
 def _drain_writers() -> None:
-    """Flush on exit: whatever is still queued reaches its sink even if the owner never closed its writer."""
+    """Flush on exit: whatever is still queued reaches its sink even if the owner never closed its writer (the error
+    of a failed one is logged; a writer its owner closed is no longer listed)."""
     for writer in list(_LIVE_WRITERS):
         try:
             writer.close()
@@ -106,10 +107,13 @@ class BackgroundWriter:
 
     ``put`` queues a task and blocks while ``maxsize`` tasks are already waiting (back-pressure: a slow sink
     slows the loop down rather than buffering without bound). ``flush`` waits until every queued task ran;
-    ``close`` drains the queue and stops the thread. An exception raised by a task is re-raised by the next
-    ``put``, ``flush`` or ``close`` (later tasks are dropped once one failed), so nothing fails silently.
-    ``on_error`` runs on the writer thread when a task raises, before the error is recorded; it may end the
-    process (the worker does that for a superseded attempt)."""
+    ``close`` drains the queue and stops the thread (idempotent).
+
+    One rule for failures: once a task raises, nothing more is written (the tasks still queued, and any queued
+    later, never run) and every later ``put``, ``flush`` and ``close`` raises that same error, so nothing fails or
+    is dropped silently. ``on_error`` runs on the writer thread after the error is recorded; it may end the process
+    (the worker does that for a superseded attempt); if it raises, that is logged and the task's error stands. The
+    thread catches everything a task or the hook raises, so it lives until ``close`` and no call waits for ever."""
 
     _STOP = object()
 
@@ -120,6 +124,7 @@ class BackgroundWriter:
             raise ValueError("maxsize must be at least 1")
         self._queue: queue.Queue[Any] = queue.Queue(maxsize)
         self._error: BaseException | None = None
+        self._error_tb: Any = None
         self._on_error = on_error
         self._closed = False
         self._lock = threading.Lock()
@@ -133,33 +138,42 @@ class BackgroundWriter:
             try:
                 if task is self._STOP:
                     return
-                if self._error is None:
-                    try:
-                        task()
-                    except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller's thread
-                        if self._on_error is not None:
-                            self._on_error(exc)
-                        self._error = exc
+                if self._error is None:  # after a failure the queue is drained without running anything
+                    self._call(task)
             finally:
                 self._queue.task_done()
 
+    def _call(self, task: Callable[[], Any]) -> None:
+        try:
+            task()
+        except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller's thread
+            # recorded before the hook runs: whatever the hook does, no later task runs and every later call raises
+            self._error_tb = exc.__traceback__
+            self._error = exc
+            if self._on_error is not None:
+                try:
+                    self._on_error(exc)
+                except BaseException:  # the task's error is the one the owner must see
+                    log.exception("%s: the on_error hook raised while handling %r", self._thread.name, exc)
+
     def _raise(self) -> None:
+        """Raise the recorded error (every time: it is never cleared), with the traceback of the failed task."""
         error = self._error
         if error is not None:
-            self._error = None
-            raise error
+            raise error.with_traceback(self._error_tb)
 
     def put(self, task: Callable[[], Any]) -> None:
         """Queue ``task``; blocks while the queue is full. Raises the error of an earlier task, if any."""
         self._raise()
         if self._closed:
             raise RuntimeError("BackgroundWriter is closed")
-        self._queue.put(task)
+        self._queue.put(task)  # a failed writer keeps draining its queue, so room comes
+        self._raise()  # a task failed while this one waited for room: it will not run
 
     def flush(self) -> None:
         """Wait until every queued task ran; raises the error of a task, if any."""
-        if not self._closed:
-            self._queue.join()
+        self._raise()
+        self._queue.join()
         self._raise()
 
     def close(self) -> None:
@@ -167,6 +181,7 @@ class BackgroundWriter:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                _LIVE_WRITERS.discard(self)
                 self._queue.put(self._STOP)
                 self._thread.join()
         self._raise()
@@ -278,36 +293,49 @@ class Callback:
 
 
 class CallbackList(Callback):
+    """Every notification reaches every callback, in order. A callback that raises has failed: its error is raised
+    once the other callbacks have heard that notification too, and from then on it hears nothing but ``on_end`` (to
+    release what it holds). So the trainer's failure path (``on_event("error")``, then ``on_end("failed")``) reaches
+    every other callback, though the failed one raises again in ``on_end`` (a background writer that failed raises
+    its error on every later call)."""
+
     def __init__(self, callbacks: Sequence[Callback] = ()):
         self.callbacks = list(callbacks)
+        self._failed: set[int] = set()  # id() of the callbacks that raised
+
+    def _each(self, method: str, *args: Any, to_failed: bool = False) -> None:
+        error: BaseException | None = None
+        for cb in self.callbacks:
+            if id(cb) in self._failed and not to_failed:
+                continue
+            try:
+                getattr(cb, method)(*args)
+            except BaseException as exc:  # noqa: BLE001 - raised again once every callback has heard it
+                self._failed.add(id(cb))
+                error = error or exc
+        if error is not None:
+            raise error
 
     def on_start(self, config, resumed_from_step):
-        for cb in self.callbacks:
-            cb.on_start(config, resumed_from_step)
+        self._each("on_start", config, resumed_from_step)
 
     def on_metrics(self, step, metrics):
-        for cb in self.callbacks:
-            cb.on_metrics(step, metrics)
+        self._each("on_metrics", step, metrics)
 
     def on_samples(self, step, rows):
-        for cb in self.callbacks:
-            cb.on_samples(step, rows)
+        self._each("on_samples", step, rows)
 
     def on_event(self, level, message):
-        for cb in self.callbacks:
-            cb.on_event(level, message)
+        self._each("on_event", level, message)
 
     def on_progress(self, step, max_steps, seconds_per_step):
-        for cb in self.callbacks:
-            cb.on_progress(step, max_steps, seconds_per_step)
+        self._each("on_progress", step, max_steps, seconds_per_step)
 
     def on_checkpoint(self, step, path):
-        for cb in self.callbacks:
-            cb.on_checkpoint(step, path)
+        self._each("on_checkpoint", step, path)
 
     def should_stop(self) -> bool:
         return any(cb.should_stop() for cb in self.callbacks)
 
     def on_end(self, status, error=None):
-        for cb in self.callbacks:
-            cb.on_end(status, error)
+        self._each("on_end", status, error, to_failed=True)

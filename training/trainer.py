@@ -301,13 +301,11 @@ class Trainer:
         return {"policy": POLICY, "reference": REFERENCE, "train": None}[model]
 
     def _encoder_outputs(self, model: Any, batch: ModelBatch, scope: str | None) -> Any | None:
-        if scope is None:
+        if scope is None:  # a training forward with a trainable tower: the model encodes with gradients
             self.images_encoded += sum(batch.num_images)
             return None
         before = self.vision.images_encoded
-        out = self.vision.encoder_outputs(model, batch, scope)
-        if out is None:  # a batch without cache keys (restored from an older checkpoint): the model encodes it
-            self.images_encoded += sum(batch.num_images)
+        out = self.vision.encoder_outputs(model, batch, scope)  # no gradients, eval mode (training.batching.vision)
         self.images_encoded += self.vision.images_encoded - before
         return out
 

@@ -27,18 +27,28 @@ from .inputs import ModelBatch, _extra_inputs, base_model, forward_kwargs
 VisionSource = Callable[[ModelBatch], Any]  # a batch -> its images' encoder outputs (or None: the model encodes)
 
 
+def prompt_key(ids: list[int], mask: list[int], image_key: str | None) -> tuple:
+    """What makes a prompt distinct: its real tokens at their places (the ids where the attention mask is 1, padding
+    blanked) and its images' content key. Equal padded ids are not enough: a row whose first real token happens to
+    be the pad id looks, padded, like a shorter row with one more pad; the two differ in what they attend to and in
+    their positions, so sharing one prompt forward (run with the first row's mask) would be wrong for the other."""
+    return tuple(t if m else None for t, m in zip(ids, mask, strict=True)), image_key
+
+
 def prompt_groups(batch: ModelBatch) -> tuple[list[int], list[int]] | None:
-    """``(first row of each distinct prompt, each row's distinct-prompt index)``; ``None`` when rows with images
-    carry no content key (a batch restored from an older checkpoint), since equal token ids alone would not prove
-    equal images."""
+    """``(first row of each distinct prompt, each row's distinct-prompt index)``, prompts told apart by
+    :func:`prompt_key`; ``None`` when rows with images carry no content key (a batch restored from an older
+    checkpoint), since equal token ids alone would not prove equal images."""
     keys = getattr(batch, "image_keys", None) or [None] * batch.batch_size
     if batch.pixels and any(k is None and n for k, n in zip(keys, batch.num_images, strict=True)):
         return None
+    p = batch.prompt_length
+    ids, mask = batch.input_ids[:, :p].tolist(), batch.attention_mask[:, :p].tolist()
     seen: dict[tuple, int] = {}
     firsts: list[int] = []
     inverse: list[int] = []
-    for row, (ids, key) in enumerate(zip(batch.input_ids[:, : batch.prompt_length].tolist(), keys, strict=True)):
-        ident = (tuple(ids), key)
+    for row, (row_ids, row_mask, key) in enumerate(zip(ids, mask, keys, strict=True)):
+        ident = prompt_key(row_ids, row_mask, key)
         if ident not in seen:
             seen[ident] = len(firsts)
             firsts.append(row)

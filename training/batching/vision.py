@@ -11,6 +11,12 @@ per sample (it is concatenated along its first axis in sample order), while spli
 each family's internal feature layout (anyres packing, tiles, deepstack levels). Two rows that hold the very same
 images with the same processing share one entry; an image that appears in two different rows is encoded for each.
 
+Entries are encoded without gradients and in eval mode (each module's own mode restored afterwards), whatever mode
+the policy is in: the generation, old-policy and reference passes that take them are no-grad passes, and dropout on
+the vision side (LoRA dropout on a trainable tower, attention dropout) must neither perturb their features nor draw
+from the global random stream, which would change the completions sampled next. Only a training forward runs the
+tower in train mode, and it never takes cached features.
+
 Scopes say which weights produced an entry: with the vision side frozen every pass may share one scope, since the
 policy's, the old policy's and the reference's towers are the same function. With a trainable tower the generation
 and old-policy passes (same weights, before any optimizer step) share ``policy``, the reference has its own, and a
@@ -20,6 +26,8 @@ training forward never takes cached features: it must run the tower with gradien
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +74,19 @@ def _model_inner(model: Any) -> Any:
     return inner
 
 
+@contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` and every module under it in eval mode (no dropout: deterministic, no random draws), each put back
+    in its own previous mode afterwards (parts of a model may be in different modes)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 @dataclass
 class VisionFeatures:
     """Encoder outputs per (scope, sample key), for one generation batch; :meth:`clear` starts the next."""
@@ -80,23 +101,30 @@ class VisionFeatures:
 
     def encoder_outputs(self, model: Any, batch: Any, scope: str) -> Any | None:
         """``mm_encoder_outputs["image"]`` for ``batch`` (a :class:`~training.batching.inputs.ModelBatch`),
-        encoding only the samples not yet seen in ``scope``; ``None`` when the batch has no images or its samples
-        carry no keys (a batch restored from an older checkpoint)."""
-        keys = getattr(batch, "image_keys", None)
-        if not batch.pixels or not keys or len(keys) != batch.batch_size:
+        encoding only the samples not yet seen in ``scope``; ``None`` when the batch has no images. Samples without
+        a content key (a batch restored from an older checkpoint) are encoded the same way, for this call only."""
+        if not batch.pixels:
             return None
-        missing = [s for s, k in enumerate(keys) if k is not None and (scope, k) not in self.entries]
+        keys = list(getattr(batch, "image_keys", None) or [])
+        if len(keys) != batch.batch_size:
+            keys = [None] * batch.batch_size
+        with_images = [s for s in range(batch.batch_size) if batch.num_images[s]]
+        unkept: dict[int, Any] = {}
+        missing = [s for s in with_images if keys[s] is None or (scope, keys[s]) not in self.entries]
         if missing:
             per_sample = split_pixels(self.family.layout, batch.pixels, batch.num_images)
             inner = _model_inner(model)
-            for s in missing:
-                key = (scope, keys[s])
-                if key in self.entries:  # the same sample twice in this batch
-                    continue
-                with torch.no_grad():
-                    self.entries[key] = self._encode(inner, per_sample[s], batch.num_images[s])
-                self.images_encoded += batch.num_images[s]
-        outputs = [self.entries[(scope, k)] for k in keys if k is not None]
+            with torch.no_grad(), eval_mode(inner):
+                for s in missing:
+                    if keys[s] is not None and (scope, keys[s]) in self.entries:  # the same sample twice here
+                        continue
+                    out = self._encode(inner, per_sample[s], batch.num_images[s])
+                    if keys[s] is None:
+                        unkept[s] = out
+                    else:
+                        self.entries[(scope, keys[s])] = out
+                    self.images_encoded += batch.num_images[s]
+        outputs = [unkept[s] if keys[s] is None else self.entries[(scope, keys[s])] for s in with_images]
         return join_encoder_outputs(outputs) if outputs else None
 
     def _encode(self, inner: Any, pixels: Pixels, num_images: int) -> Any:

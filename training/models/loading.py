@@ -23,7 +23,7 @@ class ProcessorError(CollageError, RuntimeError):
     pass
 
 
-TINY_BUILD = 2  # bump whenever a tiny builder changes what it writes
+TINY_BUILD = 3  # bump whenever a tiny builder changes what it writes
 
 
 def resolve_model_path(path: str) -> str:

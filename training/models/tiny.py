@@ -459,6 +459,9 @@ def _build_gemma3(out: Path) -> None:
     )
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config)
+    # transformers initialises the projection from vision to text space to zeros (a real checkpoint loads it): left
+    # so, every image becomes the same all-zero soft tokens and the model is blind
+    _fill_normal(model.model.multi_modal_projector.mm_input_projection_weight, config.text_config)
     _save(out, model, processor, ids["<end_of_turn>"], ids["<pad>"], ids["<bos>"])
 
 
@@ -595,6 +598,11 @@ def _build_internvl(out: Path) -> None:
     )
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config)
+    # transformers initialises InternViT's class token and learned position embeddings to zeros (a real checkpoint
+    # loads them): left so, the tower cannot tell where in a tile a patch lies
+    embeddings = model.model.vision_tower.embeddings
+    for param in (embeddings.cls_token, embeddings.position_embeddings):
+        _fill_normal(param, config.vision_config)
     _save(out, model, processor, ids["<|im_end|>"], ids["<|endoftext|>"], None)
 
 
@@ -662,6 +670,16 @@ def _build_smolvlm(out: Path) -> None:
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config)
     _save(out, model, processor, ids["<end_of_utterance>"], ids["<|endoftext|>"], ids["<|im_start|>"])
+
+
+def _fill_normal(param, sub_config: Any) -> None:
+    """Random weights where transformers' own initialisation leaves zeros on the path from pixels to logits, drawn as
+    it draws every other weight (normal, the sub-config's ``initializer_range``), continuing the builder's seeded
+    stream so that a build stays reproducible."""
+    import torch
+
+    with torch.no_grad():
+        param.normal_(mean=0.0, std=sub_config.initializer_range)
 
 
 def _save(out: Path, model, processor, eos_id: int, pad_id: int, bos_id: int | None) -> None:
