@@ -59,7 +59,7 @@ class Settings:
     max_exports: int = 4  # concurrent export downloads per web process; more are answered 429
     forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-Proto/For are believed (uvicorn's option)
     # the dataset routes (GET /datasets/preview, POST /datasets/check): what one web process takes on and what one
-    # request may do; beyond the first two, 429 with Retry-After (docs/api.md, Dataset requests)
+    # request may do; beyond the first two, 429 with Retry-After (docs/data.md, Previews)
     dataset_per_user: int = 2  # dataset requests of one token in flight at once (the launch form sends two)
     dataset_queue: int = 8  # dataset requests one web process holds at once, running or waiting for its helper
     preview_timeout: float = 60.0  # seconds a preview may take, waiting included; then its helper work is killed
