@@ -393,6 +393,34 @@ def test_a_synth_preview_generates_only_its_rows_with_the_datasets_content(tmp_p
     assert preview_rows(shown, 6, tmp_path / "a") == preview_rows(full, 6, tmp_path / "b")
 
 
+def test_a_limited_load_parses_only_its_rows_and_counts_the_rest(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = [json.dumps({"prompt": f"p{k}"}) for k in range(7)]
+    (tmp_path / "j").mkdir()
+    # blank lines are no rows; the last line has no newline; a bad line after the shown rows is only counted
+    (tmp_path / "j" / "train.jsonl").write_text("\n".join(lines[:3]) + "\n\n  \n{not json\n" + "\n".join(lines[3:]))
+    shown = load_dataset(str(tmp_path / "j"), limit=2)
+    assert [r.data["prompt"] for r in shown.rows] == ["p0", "p1"] and shown.total == 8
+    assert load_dataset(str(tmp_path / "j"), limit=3).total == 8
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"q{k}"} for k in range(2500)]), tmp_path / "t.parquet")
+    parquet = load_dataset(str(tmp_path / "t.parquet"), limit=4)
+    assert [r.data["prompt"] for r in parquet.rows] == ["q0", "q1", "q2", "q3"] and parquet.total == 2500
+    assert (
+        len(load_dataset(str(tmp_path / "t.parquet"))) == 2500
+        and load_dataset(str(tmp_path / "t.parquet")).total is None
+    )
+
+
+def test_a_row_nested_past_the_json_readers_limit_is_a_clear_error(tmp_path):
+    from collage.training.data.loader import DatasetError
+
+    (tmp_path / "train.jsonl").write_text('{"prompt": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(DatasetError, match=r"train.jsonl:1: row 0 is nested too deeply to read"):
+        load_dataset(str(tmp_path))
+
+
 def test_the_huge_synth_preview_is_answered_from_its_rows_alone(api):
     client, _, _, _ = api
     before = set(cache_dir("datasets").iterdir())
