@@ -31,7 +31,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -222,15 +221,13 @@ def _ask(request: dict[str, Any], timeout: float) -> Any:
 
 class DatasetGate:
     """Admission of one web process's dataset requests: at most ``per_user`` in flight per token and ``queue`` in
-    all (running or waiting for the helper); beyond, 429 at once. Admitted requests wait in this gate's own
-    threads, so the threadpool every other route needs stays free."""
+    all (running or waiting for the helper); beyond, 429 at once. Admitted requests wait in threads of their own,
+    so the threadpool every other route needs stays free."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.in_flight: dict[str, int] = {}
         self.total = 0
-        # admission bounds the work it holds; its threads only wait for the helper's answer
-        self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="collage-dataset")
 
     def _admit(self, who: str, per_user: int, queue: int) -> None:
         with self.lock:
@@ -257,16 +254,40 @@ class DatasetGate:
                 del self.in_flight[who]
 
     async def run(self, who: str, per_user: int, queue: int, work: Callable[[], Any]) -> Any:
-        """``work()`` in the gate's threads once admitted; the slot is given back when the work ends (or, never
-        started, is cancelled), not when the client goes away: an abandoned request still holds the helper."""
+        """``work()`` in a thread of its own once admitted (admission bounds how many; daemon threads, so a server
+        that stops never waits for them). The slot is given back when the work ends, not when the client goes
+        away: an abandoned request still holds the helper until it is answered or killed."""
         self._admit(who, per_user, queue)
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if answer.done():  # the request was cancelled (its client went away)
+                return
+            if error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(result)
+
+        def target() -> None:
+            result, error = None, None
+            try:
+                result = work()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting request, which raises it
+                error = exc
+            finally:
+                self._release(who)
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the request's event loop has closed meanwhile
+                pass
+
         try:
-            future = self.executor.submit(work)
+            threading.Thread(target=target, name="collage-dataset", daemon=True).start()
         except BaseException:
             self._release(who)
             raise
-        future.add_done_callback(lambda _f: self._release(who))
-        return await asyncio.wrap_future(future)
+        return await answer
 
 
 _GATE_LOCK = threading.Lock()
