@@ -47,8 +47,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     synth = {}
     if args.source.startswith("synth:"):
         synth = dict(rows=args.rows, min_images=args.min_images, max_images=args.max_images, seed=args.seed)
+    from .settings import get_settings
+
+    roots = get_settings().data_roots or None  # with COLLAGE_DATA_ROOTS set, images are confined as a worker does
     report = check_dataset(
-        args.source, split=args.split, model=args.model, max_prompt_length=args.max_prompt_length, **synth
+        args.source,
+        split=args.split,
+        model=args.model,
+        max_prompt_length=args.max_prompt_length,
+        data_roots=roots,
+        **synth,
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -196,7 +204,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         callbacks.append(TrackersCallback(config.logging.report_to, warn))
     try:
-        result = Trainer(config, out, callbacks, resume=args.resume).train()
+        from .settings import get_settings
+
+        roots = get_settings().data_roots or None  # COLLAGE_DATA_ROOTS set: image paths confined as on a worker
+        result = Trainer(config, out, callbacks, resume=args.resume, data_roots=roots).train()
     finally:
         bar.close()
     print(f"run {config.name} {result.status} at step {result.step}; output in {out}")

@@ -12,8 +12,11 @@ ended), giving the memory back.
 Requests: ``{"op": "warm", "wait": false}`` (import the stack in the background; answered at once unless
 ``wait``), ``{"op": "check", "source", "split", "model",
 "max_prompt_length", "synth": {...}}`` (the ``collage data check --json`` report), ``{"op": "preview", "source",
-"split", "rows", "artifacts", "synth": {...}}`` (the ``collage data preview`` rows, images written under
-``artifacts``). Answers: ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "one line"}``.
+"split", "rows", "artifacts", "synth": {...}, "max_images", "max_bytes"}`` (the ``collage data preview`` rows,
+images written under ``artifacts``; it reads only the rows it shows and stops at the image and byte bounds).
+Both carry ``data_roots``, the folders image paths inside rows must lie under: the web process sends its
+Settings' roots and the helper believes nothing else (no roots: no image path is allowed). Answers: ``{"ok":
+true, "result": ...}`` or ``{"ok": false, "error": "one line"}``.
 """
 
 from __future__ import annotations
@@ -91,6 +94,12 @@ def _stack_ready() -> None:
         _warming.join()
 
 
+def _roots(req: dict[str, Any]) -> tuple[Path, ...]:
+    """The folders image paths of rows must lie under: the web process sends its Settings' data roots with every
+    request. Nothing else is believed (not this process's environment): a request without them allows none."""
+    return tuple(Path(root) for root in req.get("data_roots") or ())
+
+
 def check(req: dict[str, Any]) -> dict[str, Any]:
     from collage.training.data.check import cached_check
     from collage.training.data.loader import load_dataset
@@ -100,7 +109,7 @@ def check(req: dict[str, Any]) -> dict[str, Any]:
     if max_prompt_length is not None and model is None:
         raise ValueError("--max-prompt-length needs --model to count the prompt's tokens")
     synth = (req.get("synth") or {}) if source.startswith("synth:") else {}
-    dataset = load_dataset(source, split, **synth)
+    dataset = load_dataset(source, split, data_roots=_roots(req), **synth)
 
     def encoder() -> Any:
         if model is None:
@@ -114,23 +123,43 @@ def check(req: dict[str, Any]) -> dict[str, Any]:
     return cached_check(dataset, model, max_prompt_length, encoder).to_dict()
 
 
-def preview_rows(dataset: Any, limit: int, artifacts: Path) -> list[dict[str, Any]]:
-    """The first ``limit`` rows as the preview shows them: the prompt, the other columns, each image written to the
-    content-addressed store under ``artifacts``, or the row's error. ``collage data preview`` prints the same."""
+# what one preview may read unless the request says less (the web app sends its Settings' bounds)
+PREVIEW_MAX_IMAGES = 320
+PREVIEW_MAX_BYTES = 256 << 20
+
+
+def preview_rows(
+    dataset: Any, limit: int, artifacts: Path, budget: Any = None, notes: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """The first ``limit`` rows as the preview shows them: the prompt, the other columns (bounded in depth and size,
+    :mod:`training.data.display`), each image written to the content-addressed store under ``artifacts``, or the
+    row's error. ``collage data preview`` prints the same. With a ``budget`` (a ReadBudget) the preview stops
+    before the first row whose images it cannot afford, and says so in ``notes``."""
     from collage.app.store.images import write_image
+    from collage.training.data.display import Budget, bounded
     from collage.training.data.rows import RowError
+    from collage.training.images import BudgetExhausted
 
     rows = []
     for raw in dataset.rows[:limit]:
-        entry: dict[str, Any] = {"row": raw.row, "prompt": raw.data.get("prompt"), "images": [], "error": None}
-        entry["columns"] = {k: v for k, v in raw.data.items() if k not in ("prompt", "images", "image")}
+        shown = Budget()
+        entry: dict[str, Any] = {"row": raw.row, "prompt": None, "images": [], "error": None}
+        entry["columns"] = bounded({k: v for k, v in raw.data.items() if k not in ("prompt", "images", "image")}, shown)
         try:
-            sample = raw.to_sample()
+            sample = raw.to_sample(budget)
+        except BudgetExhausted as exc:
+            if notes is not None:
+                notes.append(
+                    f"the preview stops before row {raw.row}: showing it would read {exc} one preview may read "
+                    "(the server's COLLAGE_PREVIEW_MAX_IMAGES and COLLAGE_PREVIEW_MAX_BYTES)"
+                )
+            break
         except RowError as err:
             entry["error"] = err.message
+            entry["prompt"] = bounded(raw.data.get("prompt"), shown)
             rows.append(entry)
             continue
-        entry["prompt"] = sample.prompt
+        entry["prompt"] = bounded(sample.prompt, shown)
         for image in sample.images:
             buf = io.BytesIO()
             image.save(buf, format="PNG")
@@ -145,12 +174,20 @@ def preview_rows(dataset: Any, limit: int, artifacts: Path) -> list[dict[str, An
 
 def preview(req: dict[str, Any]) -> dict[str, Any]:
     from collage.training.data.loader import load_dataset
+    from collage.training.images import ReadBudget
 
     source, split, artifacts = req["source"], req.get("split", "train"), Path(req["artifacts"])
     synth = (req.get("synth") or {}) if source.startswith("synth:") else {}
-    dataset = load_dataset(source, split, **synth)
-    rows = preview_rows(dataset, int(req.get("rows", 5)), artifacts)
-    return {"source": source, "rows": rows, "total_rows": len(dataset)}
+    limit = int(req.get("rows", 5))
+    # only the rows shown are read (a synth:<task> preview generates only them, in memory)
+    dataset = load_dataset(source, split, data_roots=_roots(req), limit=limit, **synth)
+    budget = ReadBudget(
+        int(req.get("max_images") or PREVIEW_MAX_IMAGES), int(req.get("max_bytes") or PREVIEW_MAX_BYTES)
+    )
+    notes: list[str] = []
+    rows = preview_rows(dataset, limit, artifacts, budget, notes)
+    total = dataset.total if dataset.total is not None else len(dataset)
+    return {"source": source, "rows": rows, "total_rows": total, "note": "; ".join(notes) or None}
 
 
 OPS = {"warm": lambda req: warm(bool(req.get("wait"))), "check": check, "preview": preview}

@@ -204,9 +204,15 @@ class DatasetCheckOut(BaseModel):
 
 class PreviewRow(BaseModel):
     row: int
-    prompt: Any
+    prompt: Any = Field(
+        description="the conversation (as the row's images are placed); a row with an error shows its prompt as "
+        "stored. Bounded like `columns`"
+    )
     images: list[ImageRef]
-    columns: dict[str, Any]
+    columns: dict[str, Any] = Field(
+        description="the row's other columns, bounded: 8 levels deep, 50 items per list or object, 2,000 characters "
+        "per string, 32,000 per row; a cut part becomes a text marker that starts with its JSON text"
+    )
     error: str | None = None
 
 
@@ -214,6 +220,9 @@ class DatasetPreviewOut(BaseModel):
     source: str
     rows: list[PreviewRow]
     total_rows: int | None = Field(None, description="rows in the split (the preview shows the first ones)")
+    note: str | None = Field(
+        None, description="why fewer rows are shown than asked for (the preview's image and byte bounds), or null"
+    )
 
 
 class RewardInfo(BaseModel):

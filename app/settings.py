@@ -22,6 +22,13 @@ ENV_VARS = (
     "COLLAGE_MODEL_ROOTS",
     "COLLAGE_MAX_EXPORTS",
     "COLLAGE_FORWARDED_ALLOW_IPS",
+    # the dataset routes' bounds (preview, check)
+    "COLLAGE_DATASET_PER_USER",
+    "COLLAGE_DATASET_QUEUE",
+    "COLLAGE_PREVIEW_TIMEOUT",
+    "COLLAGE_CHECK_TIMEOUT",
+    "COLLAGE_PREVIEW_MAX_IMAGES",
+    "COLLAGE_PREVIEW_MAX_BYTES",
 )
 
 
@@ -51,6 +58,14 @@ class Settings:
     model_roots: tuple[Path, ...] = ()
     max_exports: int = 4  # concurrent export downloads per web process; more are answered 429
     forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-Proto/For are believed (uvicorn's option)
+    # the dataset routes (GET /datasets/preview, POST /datasets/check): what one web process takes on and what one
+    # request may do; beyond the first two, 429 with Retry-After (docs/data.md, Previews)
+    dataset_per_user: int = 2  # dataset requests of one token in flight at once (the launch form sends two)
+    dataset_queue: int = 8  # dataset requests one web process holds at once, running or waiting for its helper
+    preview_timeout: float = 60.0  # seconds a preview may take, waiting included; then its helper work is killed
+    check_timeout: float = 600.0  # the same for a check (it reads every row)
+    preview_max_images: int = 320  # images one preview decodes (5 rows of the 64-image maximum)
+    preview_max_bytes: int = 256 << 20  # bytes of image data one preview reads and decodes
 
     def allowed_data_roots(self) -> tuple[Path, ...]:
         return self.data_roots or (self.home,)
@@ -77,6 +92,12 @@ class Settings:
             model_roots=_paths(os.environ.get("COLLAGE_MODEL_ROOTS")),
             max_exports=int(os.environ.get("COLLAGE_MAX_EXPORTS", 4)),
             forwarded_allow_ips=os.environ.get("COLLAGE_FORWARDED_ALLOW_IPS", "127.0.0.1"),
+            dataset_per_user=int(os.environ.get("COLLAGE_DATASET_PER_USER", 2)),
+            dataset_queue=int(os.environ.get("COLLAGE_DATASET_QUEUE", 8)),
+            preview_timeout=float(os.environ.get("COLLAGE_PREVIEW_TIMEOUT", 60.0)),
+            check_timeout=float(os.environ.get("COLLAGE_CHECK_TIMEOUT", 600.0)),
+            preview_max_images=int(os.environ.get("COLLAGE_PREVIEW_MAX_IMAGES", 320)),
+            preview_max_bytes=int(os.environ.get("COLLAGE_PREVIEW_MAX_BYTES", 256 << 20)),
         )
 
 

@@ -99,12 +99,16 @@ class Trainer:
         callbacks: list[Callback] | None = None,
         resume: bool = False,
         reward_modules: Sequence[str] | None = None,
+        data_roots: Sequence[Path] | None = None,
     ):
         """``reward_modules``: the operator's allowlist for import-path rewards, for a config an API client sent
         (see :func:`~training.rewards.registry.resolve_reward`); ``None`` trusts the config (local ``collage train``).
+        ``data_roots``: the folders every image path inside a dataset row must lie under (the operator's
+        COLLAGE_DATA_ROOTS); ``None`` leaves them unconfined (local ``collage train`` without COLLAGE_DATA_ROOTS).
         """
         self.config = config
         self.reward_modules = tuple(reward_modules) if reward_modules is not None else None
+        self.data_roots = tuple(data_roots) if data_roots is not None else None
         self.out = Path(output_dir) if output_dir is not None else None
         self.callbacks = CallbackList(callbacks or [])
         self.resume = resume
@@ -207,7 +211,7 @@ class Trainer:
         if d.source.startswith("synth:"):
             synth = dict(rows=d.rows, min_images=d.min_images, max_images=d.max_images, seed=d.seed)
         try:
-            dataset = load_dataset(d.source, d.split, **synth)
+            dataset = load_dataset(d.source, d.split, data_roots=self.data_roots, **synth)
         except DatasetError as exc:
             raise TrainingError(f"dataset.source: {exc}") from None
         if len(dataset) == 0:

@@ -126,6 +126,7 @@ def main(run_id: str, attempt: int) -> int:
             callbacks,
             resume=newest is not None,
             reward_modules=settings.reward_modules,  # () allows no module: only built-ins and operator paths
+            data_roots=settings.allowed_data_roots(),  # image paths inside rows stay under the operator's roots
         )
         result = trainer.train()
     except StaleAttempt:

@@ -41,9 +41,9 @@ Warn = Callable[[str], None]
 
 
 def _pil(png: bytes) -> Any:
-    from PIL import Image
+    from collage.training.images import open_raster_file
 
-    image = Image.open(io.BytesIO(png))
+    image = open_raster_file(io.BytesIO(png))
     image.load()
     return image
 

@@ -13,7 +13,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from PIL import Image as PILImage
+from collage.training.images import open_raster_file
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 THUMB_SIZE = 160
@@ -54,7 +54,8 @@ def write_image(artifacts: Path, png: bytes, sha: str | None = None) -> tuple[st
 
 
 def image_info(png: bytes) -> tuple[int, int, str]:
-    with PILImage.open(io.BytesIO(png)) as image:
+    # raster formats only (training.images): Pillow never hands these bytes to another program
+    with open_raster_file(io.BytesIO(png)) as image:
         return image.width, image.height, (image.format or "png").lower()
 
 
@@ -63,7 +64,7 @@ def thumbnail(artifacts: Path, sha: str) -> Path:
     thumb = artifacts / relative_path(sha, "thumbs")
     if thumb.exists():
         return thumb
-    with PILImage.open(artifacts / relative_path(sha)) as stored:
+    with open_raster_file(artifacts / relative_path(sha)) as stored:
         image = stored.convert("RGB")
         image.thumbnail((THUMB_SIZE, THUMB_SIZE))
         buf = io.BytesIO()

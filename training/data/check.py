@@ -2,7 +2,8 @@
 
 Reports are cached under ``COLLAGE_HOME/cache/checks/<fingerprint>.json``. The fingerprint covers the dataset's
 files (path, size, mtime, and the content hash of data files up to 1 MiB), the image files its rows name (path,
-size, mtime), the split, the model path and ``max_prompt_length``: a changed dataset misses the cache, an
+size, mtime; a path outside the dataset's data roots is never looked at, it enters as written), the data roots,
+the split, the model path and ``max_prompt_length``: a changed dataset misses the cache, an
 unchanged one is not decoded and encoded again (``collage data check`` and every trainer start or resume share
 it). A dataset not read from local files (a hub id) is never cached.
 """
@@ -13,19 +14,20 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 from ..home import collage_home
+from ..images import ImageRefused, image_file
 from .loader import LoadedDataset, load_dataset
 from .rows import RowError
 
 log = logging.getLogger("collage.training")
 
-CHECK_CACHE_VERSION = 1
+CHECK_CACHE_VERSION = 2  # 2: raster formats only, image paths confined to the data roots
 SMALL_FILE = 1 << 20  # data files up to this size are fingerprinted by content, larger ones by size and mtime
 
 
@@ -89,11 +91,13 @@ def check_dataset(
     model: str | None = None,
     max_prompt_length: int | None = None,
     use_cache: bool = True,
+    data_roots: Sequence[Path] | None = None,
     **synth_options: Any,
 ) -> CheckReport:
-    """Validate every row. Raises :class:`~training.data.loader.DatasetError` only when the source itself
-    cannot be read; row problems are collected in the report."""
-    dataset = load_dataset(source, split, **synth_options)
+    """Validate every row; image paths must lie under ``data_roots`` (None: unconfined). Raises
+    :class:`~training.data.loader.DatasetError` only when the source itself cannot be read; row problems are
+    collected in the report."""
+    dataset = load_dataset(source, split, data_roots=data_roots, **synth_options)
 
     def encoder() -> Any:
         if model is None:
@@ -134,9 +138,11 @@ def dataset_fingerprint(dataset: LoadedDataset, model: str | None, max_prompt_le
             path = ref.get("path") if isinstance(ref, dict) and ref.get("bytes") is None else ref
             if not isinstance(path, str) or not path:
                 continue  # inline bytes: part of the data file
-            file = Path(path)
-            if not file.is_absolute() and raw.base_dir is not None:
-                file = raw.base_dir / file
+            try:
+                file = image_file(path, raw.base_dir, raw.roots)
+            except ImageRefused:  # outside the roots: refused whatever it is, so never looked at
+                images.append(["outside", path])
+                continue
             if file not in seen:
                 seen.add(file)
                 images.append(_stat(file, content=False))
@@ -146,6 +152,7 @@ def dataset_fingerprint(dataset: LoadedDataset, model: str | None, max_prompt_le
     key = {
         "version": CHECK_CACHE_VERSION,
         "split": dataset.split,
+        "roots": None if dataset.roots is None else [str(r) for r in dataset.roots],
         "rows": len(dataset),
         "files": files,
         "images": images,
@@ -158,6 +165,16 @@ def dataset_fingerprint(dataset: LoadedDataset, model: str | None, max_prompt_le
 
 def check_cache_dir() -> Path:
     return collage_home() / "cache" / "checks"
+
+
+def remove_temp_files_of(pid: int, root: Path) -> int:
+    """Remove the half-written reports process ``pid`` left under ``root`` (a checks cache folder), for whoever
+    killed it; returns how many."""
+    removed = 0
+    for file in root.glob(f"*.{pid}.tmp") if root.is_dir() else []:
+        file.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 def _report_record(report: CheckReport, fingerprint: str) -> dict[str, Any]:

@@ -3,23 +3,32 @@
 Sources, in the order they are tried:
 
 - ``synth:<task>``: a synthetic task, written to disk under ``COLLAGE_HOME`` once and read back through the
-  same JSONL path as user data (see :mod:`training.data.synth`);
+  same JSONL path as user data (see :mod:`training.data.synth`); a preview (``limit``) generates only the rows it
+  shows, in memory, with the content the written dataset has at those rows;
 - a local ``.jsonl`` / ``.parquet`` file, or a folder holding ``<split>.jsonl`` / ``<split>.parquet`` (or
   ``<split>-*.parquet`` shards); image paths are relative to the file's folder;
 - a ``datasets`` ``save_to_disk`` folder (a ``Dataset`` or a ``DatasetDict`` with that split);
 - anything else is treated as a hub dataset id and handed to ``datasets.load_dataset`` (needs internet).
+
+Image paths inside rows are confined to ``data_roots`` (the operator's ``COLLAGE_DATA_ROOTS``; None: unconfined,
+the operator's own CLI only) when an image is opened (:mod:`training.images`). Rows from ``datasets`` are read in
+its arrow format, so that ``datasets`` never decodes a column itself: an ``Image`` feature would open whatever
+path the data names, in any format Pillow knows; Collage opens it instead, confined and raster-only.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ..errors import CollageError
+from ..images import resolve_roots
 from .rows import RawRow, RowError, Sample
+
+Roots = tuple[Path, ...] | None
 
 
 class DatasetError(CollageError, ValueError):
@@ -41,6 +50,10 @@ class LoadedDataset:
     rows: list[RawRow]
     # the local files the rows were read from (for the ``data check`` cache's fingerprint); None: not local
     files: list[Path] | None = field(default=None)
+    # the resolved folders image paths are confined to (None: unconfined), part of the check's fingerprint
+    roots: Roots = None
+    # rows in the split when only the first ones were read (``limit``); None: ``rows`` is the whole split
+    total: int | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -67,26 +80,54 @@ class LoadedDataset:
         return good
 
 
-def load_dataset(source: str, split: str = "train", **synth_options: Any) -> LoadedDataset:
+def load_dataset(
+    source: str,
+    split: str = "train",
+    *,
+    data_roots: Sequence[Path | str] | None = None,
+    limit: int | None = None,
+    **synth_options: Any,
+) -> LoadedDataset:
+    """The rows of ``split``. ``data_roots``: the folders every image path of a row must lie under (None:
+    unconfined). ``limit``: read only the first rows (a preview); ``total`` then says how many the split has."""
     if source.startswith("synth:"):
-        from .synth import cached_synth_dataset
+        from .synth import cached_synth_dataset, synth_rows
 
-        return load_dataset(str(cached_synth_dataset(source.removeprefix("synth:"), **synth_options)), split)
+        task = source.removeprefix("synth:")
+        if limit is not None:
+            rows, total = synth_rows(task, limit, **synth_options)
+            return LoadedDataset(source, split, rows, total=total)
+        folder = cached_synth_dataset(task, **synth_options)
+        # Collage wrote it itself under COLLAGE_HOME/cache: its own folder is the root its rows need, whatever
+        # COLLAGE_DATA_ROOTS says
+        return load_dataset(str(folder), split, data_roots=[folder])
+    roots = resolve_roots(data_roots)
     path = Path(source).expanduser()
     if path.is_file():
-        return LoadedDataset(source, split, _read_file(path), [path])
+        rows, total = _read_file(path, roots, limit)
+        return _loaded(source, split, rows, [path], roots, total, limit)
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             saved = sorted(p for p in path.rglob("*") if p.is_file())
-            return LoadedDataset(source, split, _read_saved(path, split), saved)
+            rows, total = _read_saved(path, split, roots, limit)
+            return _loaded(source, split, rows, saved, roots, total, limit)
         files = _split_files(path, split)
-        rows: list[RawRow] = []
+        rows, total = [], 0
         for file in files:
-            rows.extend(_read_file(file, offset=len(rows)))
-        return LoadedDataset(source, split, rows, files)
+            more, count = _read_file(file, roots, None if limit is None else limit - len(rows), offset=len(rows))
+            rows.extend(more)
+            total += count
+        return _loaded(source, split, rows, files, roots, total, limit)
     if source.startswith((".", "/", "~")) or path.suffix in (".jsonl", ".parquet", ".json"):
         raise DatasetError(f"dataset source {source!r} does not exist")
-    return LoadedDataset(source, split, _read_hub(source, split))
+    rows, total = _read_hub(source, split, roots, limit)
+    return _loaded(source, split, rows, None, roots, total, limit)
+
+
+def _loaded(
+    source: str, split: str, rows: list[RawRow], files: list[Path] | None, roots: Roots, total: int, limit: int | None
+) -> LoadedDataset:
+    return LoadedDataset(source, split, rows, files, roots, total if limit is not None else None)
 
 
 def _split_files(folder: Path, split: str) -> list[Path]:
@@ -107,35 +148,77 @@ def _split_files(folder: Path, split: str) -> list[Path]:
     raise DatasetError(f"{folder}: no {split}.jsonl or {split}.parquet for split {split!r} (found: {found})")
 
 
-def _read_file(file: Path, offset: int = 0) -> list[RawRow]:
+def _read_file(file: Path, roots: Roots, limit: int | None, offset: int = 0) -> tuple[list[RawRow], int]:
+    """The rows of one data file (the first ``limit``, or all) and how many it holds."""
     if file.suffix == ".jsonl" or file.suffix == ".json":
-        return _read_jsonl(file, offset)
+        return _read_jsonl(file, offset, roots, limit)
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(file)
-        return [RawRow(offset + i, row, file.parent) for i, row in enumerate(table.to_pylist())]
+        parquet = pq.ParquetFile(file)
+        total = parquet.metadata.num_rows
+        records: list[dict[str, Any]] = []
+        wanted = total if limit is None else min(limit, total)
+        if wanted > 0:
+            for batch in parquet.iter_batches(batch_size=min(wanted, 1024)):
+                records.extend(batch.to_pylist()[: wanted - len(records)])
+                if len(records) >= wanted:
+                    break
+        return [RawRow(offset + i, row, file.parent, roots) for i, row in enumerate(records)], total
     raise DatasetError(f"{file}: unsupported file type {file.suffix!r}; use .jsonl or .parquet")
 
 
-def _read_jsonl(file: Path, offset: int) -> list[RawRow]:
+def _read_jsonl(file: Path, offset: int, roots: Roots, limit: int | None) -> tuple[list[RawRow], int]:
     rows: list[RawRow] = []
-    with file.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
+    with file.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            if limit is not None and len(rows) >= limit:
+                return rows, len(rows) + (1 if raw.strip() else 0) + _count_rows(fh)
+            if not raw.strip():
                 continue
             index = offset + len(rows)
             try:
-                data = json.loads(line)
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise DatasetError(f"{file}:{line_no}: row {index} is not UTF-8 text") from None
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{file}:{line_no}: row {index} is not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise DatasetError(f"{file}:{line_no}: row {index} is nested too deeply to read") from None
             if not isinstance(data, dict):
                 raise DatasetError(f"{file}:{line_no}: row {index} is not a JSON object")
-            rows.append(RawRow(index, data, file.parent))
-    return rows
+            rows.append(RawRow(index, data, file.parent, roots))
+    return rows, len(rows)
 
 
-def _read_saved(folder: Path, split: str) -> list[RawRow]:
+def _count_rows(fh: IO[bytes]) -> int:
+    """The non-blank lines left in ``fh``, read in chunks (a preview counts the rows it does not parse)."""
+    count, blank = 0, True
+    while chunk := fh.read(1 << 20):
+        parts = chunk.split(b"\n")
+        for k, part in enumerate(parts):
+            if blank and part.strip():
+                blank = False
+            if k < len(parts) - 1:  # a newline ends the line
+                count += not blank
+                blank = True
+    return count + (not blank)
+
+
+def _dataset_rows(loaded: Any, base_dir: Path | None, roots: Roots, limit: int | None) -> tuple[list[RawRow], int]:
+    """The rows of a ``datasets.Dataset`` as plain values, read in its arrow format: ``datasets`` never decodes a
+    column (an ``Image`` feature stays ``{bytes, path}``, opened later by Collage, confined and raster-only)."""
+    total = len(loaded)
+    wanted = total if limit is None else min(limit, total)
+    table = loaded.with_format("arrow")
+    rows: list[RawRow] = []
+    for start in range(0, wanted, 1024):
+        for record in table[start : min(wanted, start + 1024)].to_pylist():
+            rows.append(RawRow(len(rows), record, base_dir, roots))
+    return rows, total
+
+
+def _read_saved(folder: Path, split: str, roots: Roots, limit: int | None) -> tuple[list[RawRow], int]:
     import datasets
 
     loaded = datasets.load_from_disk(str(folder))
@@ -143,14 +226,14 @@ def _read_saved(folder: Path, split: str) -> list[RawRow]:
         if split not in loaded:
             raise DatasetError(f"{folder}: no split {split!r} (splits: {', '.join(loaded)})")
         loaded = loaded[split]
-    return [RawRow(i, dict(row), folder) for i, row in enumerate(loaded)]
+    return _dataset_rows(loaded, folder, roots, limit)
 
 
-def _read_hub(source: str, split: str) -> list[RawRow]:
+def _read_hub(source: str, split: str, roots: Roots, limit: int | None) -> tuple[list[RawRow], int]:
     import datasets
 
     try:
         loaded = datasets.load_dataset(source, split=split)
     except Exception as exc:  # the hub client raises many types; the user needs the source and the reason
         raise DatasetError(f"dataset {source!r} is neither a local path nor a loadable hub dataset: {exc}") from exc
-    return [RawRow(i, dict(row), None) for i, row in enumerate(loaded)]
+    return _dataset_rows(loaded, None, roots, limit)

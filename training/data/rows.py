@@ -7,14 +7,16 @@ the trainer report the same thing in the same words.
 from __future__ import annotations
 
 import hashlib
-import io
+import reprlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from ..errors import CollageError
+from ..images import FileMissing, ImageRefused, ReadBudget, decode_raster, image_file, read_image_file
 
 ROLES = ("system", "user", "assistant")
 RESERVED_COLUMNS = ("prompt", "images", "image")
@@ -64,11 +66,13 @@ class Sample:
 
 @dataclass
 class RawRow:
-    """A row as stored, before images are opened. ``base_dir`` resolves relative image paths."""
+    """A row as stored, before images are opened. ``base_dir`` resolves relative image paths; ``roots`` (resolved)
+    confine them, None leaves them unconfined (the loader sets both)."""
 
     row: int
     data: dict[str, Any]
     base_dir: Path | None = None
+    roots: tuple[Path, ...] | None = None
 
     def image_refs(self) -> list[Any]:
         if "images" in self.data and self.data["images"] is not None:
@@ -80,11 +84,12 @@ class RawRow:
             return [self.data["image"]]
         return []
 
-    def to_sample(self) -> Sample:
+    def to_sample(self, budget: ReadBudget | None = None) -> Sample:
+        """The usable row, or :class:`RowError`; ``budget`` bounds what a preview reads (None: no bound)."""
         if "prompt" not in self.data:
             raise RowError(self.row, "no 'prompt' column")
         refs = self.image_refs()
-        images = [open_image(self.row, i, ref, self.base_dir) for i, ref in enumerate(refs)]
+        images = [open_image(self.row, i, ref, self.base_dir, self.roots, budget) for i, ref in enumerate(refs)]
         prompt = normalise_prompt(self.row, self.data["prompt"], len(images))
         columns = {k: v for k, v in self.data.items() if k not in RESERVED_COLUMNS}
         return Sample(row=self.row, prompt=prompt, images=images, columns=columns)
@@ -121,7 +126,8 @@ def normalise_prompt(row: int, prompt: Any, num_images: int) -> list[dict[str, A
             raise RowError(row, f"prompt is not conversational: message {m} is not a {{role, content}} object")
         if message["role"] not in ROLES:
             raise RowError(
-                row, f"prompt is not conversational: message {m} has role {message['role']!r}, not one of {ROLES}"
+                row,
+                f"prompt is not conversational: message {m} has role {reprlib.repr(message['role'])}, not one of {ROLES}",
             )
         messages.append({"role": message["role"], "content": _normalise_content(row, m, message["content"])})
     found = count_placeholders(messages)
@@ -150,12 +156,25 @@ def _normalise_content(row: int, m: int, content: Any) -> list[dict[str, Any]]:
     return parts
 
 
-def open_image(row: int, index: int, ref: Any, base_dir: Path | None) -> Image.Image:
-    """Decode image ``index`` of a row from a path, bytes, a ``{path, bytes}`` dict or a PIL image."""
+def open_image(
+    row: int,
+    index: int,
+    ref: Any,
+    base_dir: Path | None,
+    roots: Sequence[Path] | None = None,
+    budget: ReadBudget | None = None,
+) -> Image.Image:
+    """Decode image ``index`` of a row from a path, bytes, a ``{path, bytes}`` dict or a PIL image.
+
+    A path is confined to ``roots`` (resolved already, see :func:`training.images.resolve_roots`; None:
+    unconfined) before anything looks at the file, and only raster formats are decoded (:mod:`training.images`).
+    ``budget`` bounds what a preview reads; running out raises :class:`~training.images.BudgetExhausted`."""
     what = f"image {index}"
     if isinstance(ref, Image.Image):
         image = ref
     else:
+        if budget is not None:
+            budget.take_image()
         if isinstance(ref, dict):
             data, path = ref.get("bytes"), ref.get("path")
         elif isinstance(ref, (bytes, bytearray)):
@@ -164,25 +183,28 @@ def open_image(row: int, index: int, ref: Any, base_dir: Path | None) -> Image.I
             data, path = None, ref
         else:
             raise RowError(row, f"{what} is a {type(ref).__name__}: expected a path, bytes or {{path, bytes}}")
+        if data is not None and not isinstance(data, (bytes, bytearray)):
+            raise RowError(row, f"{what} 'bytes' is a {type(data).__name__}, not bytes")
+        if data is None and path is not None and not isinstance(path, str):
+            raise RowError(row, f"{what} 'path' is a {type(path).__name__}, not a string")
         if data is None and not path:
             raise RowError(row, f"{what} is empty: no path and no bytes")
-        if data is None:
-            assert path is not None  # checked above: a path or bytes
-            file = Path(path)
-            if not file.is_absolute() and base_dir is not None:
-                file = base_dir / file
-            if not file.is_file():
-                raise RowError(row, f"{what} file not found: {file}")
-            data = file.read_bytes()
-            what = f"{what} ({file})"
-        if not data:
-            raise RowError(row, f"{what} has zero size (0 bytes)")
         try:
-            image = Image.open(io.BytesIO(data))
-            fmt = image.format
-            image.load()
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-            raise RowError(row, f"{what} is unreadable: {exc}") from None
+            if data is None:
+                assert path is not None  # checked above: a path or bytes
+                file = image_file(path, base_dir, roots)  # confined first: nothing below runs for an outside path
+                shown = _shown(path, base_dir)
+                try:
+                    data = read_image_file(file, confined=roots is not None, budget=budget)
+                except FileMissing:
+                    raise RowError(row, f"{what} file not found: {shown}") from None
+                what = f"{what} ({shown})"
+            elif budget is not None:
+                budget.take_bytes(len(data))
+            image = decode_raster(bytes(data), budget)
+        except ImageRefused as exc:
+            raise RowError(row, f"{what} {exc}") from None
+        fmt = image.format
         # hashed once here, from the bytes already in memory: rollout rows reference this hash (and, for a PNG,
         # these bytes) instead of re-encoding the decoded image at every step
         source = ImageSource(hashlib.sha256(data).hexdigest(), bytes(data) if fmt == "PNG" else None, fmt)
@@ -192,3 +214,9 @@ def open_image(row: int, index: int, ref: Any, base_dir: Path | None) -> Image.I
     if image.mode != "RGB":
         raise RowError(row, f"{what} is mode {image.mode}, not RGB: convert it first (PIL: image.convert('RGB'))")
     return image
+
+
+def _shown(path: str, base_dir: Path | None) -> Path | str:
+    """How a row error names an image file: as the row's folder and the row name it (never a resolved link
+    target, which the row's author may not know)."""
+    return base_dir / path if base_dir is not None and not Path(path).is_absolute() else path

@@ -31,6 +31,7 @@ from PIL import Image, ImageDraw
 
 from ..errors import CollageError
 from ..home import cache_dir
+from .rows import RawRow
 
 COLORS = {
     "red": (220, 30, 30),
@@ -191,6 +192,29 @@ def _png(image: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+def encoded_rows(task: str, rows: int, min_images: int, max_images: int, seed: int, size: int = 56):
+    """Yield ``(row_dict, pngs)``: each row of :func:`generate` with its images as the PNG bytes the writer
+    stores. Row *k* is the same whatever ``rows`` is (one seeded stream), so the first rows of a big dataset can
+    be made without the rest."""
+    for row, images in generate(task, rows, min_images, max_images, seed, size):
+        yield row, [_png(image) for image in images]
+
+
+def synth_rows(
+    task: str, limit: int, rows: int = 256, min_images: int = 0, max_images: int = 3, seed: int = 0
+) -> tuple[list[RawRow], int]:
+    """The first ``limit`` rows of the dataset :func:`cached_synth_dataset` would write, made in memory (images as
+    their PNG bytes: the same bytes, hence the same SHA-256, as the written files), and its row count. A preview
+    of a 100,000-row dataset costs its shown rows, not the dataset."""
+    if rows < 1:
+        raise SynthError(f"rows must be at least 1, got {rows}")
+    made = []
+    for index, (row, pngs) in enumerate(encoded_rows(task, min(limit, rows), min_images, max_images, seed)):
+        row["images"] = pngs
+        made.append(RawRow(index, row, None, ()))  # images inline: no path to read, none allowed
+    return made, rows
+
+
 def write_synth(
     task: str,
     out: str | Path,
@@ -210,10 +234,9 @@ def write_synth(
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     records = []
-    for row, images in generate(task, rows, min_images, max_images, seed, size):
+    for row, pngs in encoded_rows(task, rows, min_images, max_images, seed, size):
         refs: list[Any] = []
-        for image in images:
-            data = _png(image)
+        for data in pngs:
             name = f"images/{hashlib.sha256(data).hexdigest()}.png"
             (out / name).write_bytes(data)
             refs.append(name if fmt == "jsonl" else {"bytes": data, "path": name})
@@ -237,8 +260,9 @@ def _cache_name(task: str, rows: int, min_images: int, max_images: int, seed: in
     return f"synth-{task}-r{rows}-i{min_images}-{max_images}-s{seed}"
 
 
-# ``<finished name>.<mkdtemp's 8 random characters>``: what cached_synth_dataset writes before its rename
-_TEMP_FOLDER = re.compile(r"^synth-[a-z0-9-]+-r\d+-i\d+-\d+-s-?\d+\.[a-z0-9_]{8}$")
+# ``<finished name>.<pid>.<mkdtemp's 8 random characters>``: what cached_synth_dataset writes before its rename
+# (the pid: whoever kills the writer removes what it left, :func:`remove_temp_folders_of`; older versions wrote no pid)
+_TEMP_FOLDER = re.compile(r"^synth-[a-z0-9-]+-r\d+-i\d+-\d+-s-?\d+(\.(?P<pid>\d+))?\.[a-z0-9_]{8}$")
 
 
 def cached_synth_dataset(task: str, rows: int = 256, min_images: int = 0, max_images: int = 3, seed: int = 0) -> Path:
@@ -246,7 +270,7 @@ def cached_synth_dataset(task: str, rows: int = 256, min_images: int = 0, max_im
     folder = cache_dir("datasets") / _cache_name(task, rows, min_images, max_images, seed)
     if (folder / "train.jsonl").is_file():
         return folder
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.{os.getpid()}.", dir=folder.parent))
     try:
         write_synth(task, tmp, rows=rows, min_images=min_images, max_images=max_images, seed=seed)
         try:
@@ -277,4 +301,17 @@ def clean_stale_temp_folders(max_age_seconds: float = 3600, root: Path | None = 
             shutil.rmtree(entry, ignore_errors=True)
             if not entry.exists():
                 removed += 1
+    return removed
+
+
+def remove_temp_folders_of(pid: int, root: Path) -> int:
+    """Remove the temporary folders process ``pid`` was writing under ``root`` (a dataset cache folder); for the
+    process that killed it (the web app kills a dataset helper that ran past its time). Returns how many."""
+    removed = 0
+    for entry in root.iterdir() if root.is_dir() else []:
+        match = _TEMP_FOLDER.match(entry.name)
+        if match is None or match["pid"] != str(pid) or entry.is_symlink() or not entry.is_dir():
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed += not entry.exists()
     return removed
