@@ -22,6 +22,7 @@ ENV_VARS = (
     "COLLAGE_MODEL_ROOTS",
     "COLLAGE_MAX_EXPORTS",
     "COLLAGE_FORWARDED_ALLOW_IPS",
+    "COLLAGE_DB_LOCK_TIMEOUT",
 )
 
 
@@ -51,6 +52,8 @@ class Settings:
     model_roots: tuple[Path, ...] = ()
     max_exports: int = 4  # concurrent export downloads per web process; more are answered 429
     forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-Proto/For are believed (uvicorn's option)
+    # seconds a web request waits for a lock on the store (another process's write) before it answers 503
+    db_lock_timeout: float = 10.0
 
     def allowed_data_roots(self) -> tuple[Path, ...]:
         return self.data_roots or (self.home,)
@@ -77,6 +80,7 @@ class Settings:
             model_roots=_paths(os.environ.get("COLLAGE_MODEL_ROOTS")),
             max_exports=int(os.environ.get("COLLAGE_MAX_EXPORTS", 4)),
             forwarded_allow_ips=os.environ.get("COLLAGE_FORWARDED_ALLOW_IPS", "127.0.0.1"),
+            db_lock_timeout=float(os.environ.get("COLLAGE_DB_LOCK_TIMEOUT", 10.0)),
         )
 
 
