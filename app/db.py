@@ -43,7 +43,14 @@ def private_file(path: Path) -> None:
     """Create ``path`` (and its folder) readable by its owner alone: a SQLite store or broker holds token
     hashes, sessions and every run. SQLite gives its -wal and -shm files the database file's mode."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    if not path.exists():
+        # never open a database that exists: closing any descriptor of a file drops every POSIX lock this process
+        # holds on it, so a second engine made here would strip the first engine's connections of their locks
+        # (SQLite's WAL then takes a live database for unused: its -wal/-shm files are removed, "disk I/O error")
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+        except FileExistsError:  # another process made it meanwhile
+            pass
     os.chmod(path, 0o600)
 
 

@@ -114,6 +114,35 @@ def test_a_process_frozen_inside_a_sqlite_write_leaves_reads_working_and_writes_
     assert admin.patch(f"{API}/runs/{run}", json={"notes": "new"}).status_code == 200
 
 
+def test_another_engine_on_an_open_sqlite_store_leaves_its_locks_alone(tmp_path):
+    """A web process holds several engines of one store (requests', last-use notes'). Making one must not open and
+    close the database file: that drops every POSIX lock the process holds on it, so another process that closes
+    its connection takes the store for unused and removes its -wal and -shm files under the live connections
+    (then: "disk I/O error", and writes to a removed WAL)."""
+    from collage.app.db import make_engine
+
+    path = tmp_path / "store.db"
+    first = make_engine(f"sqlite:///{path}")
+    with first.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (x INTEGER)")
+        conn.exec_driver_sql("INSERT INTO t VALUES (1)")
+    live = first.connect()
+    assert live.exec_driver_sql("SELECT count(*) FROM t").scalar() == 1
+    second = make_engine(f"sqlite:///{path}")
+    writer = f"import sqlite3; c = sqlite3.connect({str(path)!r}); c.execute('INSERT INTO t VALUES (2)'); c.commit(); c.close()"
+    subprocess.run([sys.executable, "-c", writer], check=True, timeout=60)  # a worker writes, then exits
+    assert (tmp_path / "store.db-wal").exists() and (tmp_path / "store.db-shm").exists()
+    live.exec_driver_sql("INSERT INTO t VALUES (3)")
+    live.commit()
+    with second.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO t VALUES (4)")
+    assert live.exec_driver_sql("SELECT count(*) FROM t").scalar() == 4
+    live.close()
+    first.dispose()
+    second.dispose()
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
 def test_last_used_is_noted_off_the_request_at_most_once_a_minute(database_url, tmp_path):
     app = _app(database_url, tmp_path)
     secret = create_token(app.state.engine, "noted")

@@ -55,6 +55,7 @@ def nul_note(count: int, what: str) -> str:
 
 
 _TRACEBACK_LINE = re.compile(r"^Traceback \(most recent call last\):[ \t]*$", re.MULTILINE)
+_FRAME_LINE = re.compile(r'  File "')
 
 
 def has_traceback(text: str | None) -> bool:
@@ -68,8 +69,12 @@ def exception_line(traceback_text: str) -> str:
     lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
     if not lines:
         return ""
-    last_frame = max((i for i, line in enumerate(lines) if line.startswith((" ", "\t"))), default=-1)
-    line = (lines[last_frame + 1] if last_frame + 1 < len(lines) else lines[-1]).strip()
+    # the last frame is a `  File "...", line N` line, followed by its source and caret lines (indented further);
+    # the exception's text comes next (its own later lines may be indented too: a pydantic error's are)
+    at = max((i for i, line in enumerate(lines) if _FRAME_LINE.match(line)), default=-1) + 1
+    while at < len(lines) and lines[at].startswith("    "):
+        at += 1
+    line = (lines[at] if at < len(lines) else lines[-1]).strip()
     return line if len(line) <= SUMMARY_MAX else line[: SUMMARY_MAX - 1] + "…"
 
 

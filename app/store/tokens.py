@@ -112,7 +112,7 @@ def verify_token(engine: Engine, token: str) -> ApiToken | None:
 USE_RESOLUTION = timedelta(minutes=1)  # last_used_at is written at most this often per token
 USE_LOCK_TIMEOUT = 0.25  # seconds a note waits for a lock, then is skipped
 _use_lock = threading.Lock()
-_use_noted: dict[tuple[int, int], float] = {}  # (engine, token id) -> monotonic time of this process's last note
+_use_noted: dict[tuple[int, str], float] = {}  # (engine, token hash) -> monotonic time of this process's last note
 _use_queue: queue.SimpleQueue[tuple[Future[None], Engine, int, datetime]] = queue.SimpleQueue()
 _use_thread: threading.Thread | None = None
 
@@ -126,7 +126,7 @@ def note_use(engine: Engine, token: ApiToken) -> Future[None] | None:
     last = _aware(token.last_used_at)
     if last is not None and now - last < USE_RESOLUTION:
         return None
-    key = (id(engine), token.id)
+    key = (id(engine), token.token_hash)  # not the id: a store emptied and filled again reuses ids
     with _use_lock:
         noted = _use_noted.get(key)
         if noted is not None and time.monotonic() - noted < USE_RESOLUTION.total_seconds():
