@@ -1,8 +1,8 @@
 """Response headers that keep the dashboard out of frames, stop MIME sniffing, keep URLs (login links included)
-out of other sites' Referer headers and keep private answers out of caches (``Cache-Control: no-store`` on everything
-but /static and the content-addressed images); every response carries a Content-Security-Policy that allows only Collage's own
-scripts, the interactive API docs included (Swagger UI is vendored under /static and started by an external
-script: no CDN, no inline script, no exception)."""
+out of other sites' Referer headers and keep private answers out of caches (``Cache-Control: no-store`` on all but
+/static and the content-addressed images); every response carries a Content-Security-Policy that allows only
+Collage's own scripts, the interactive API docs included (Swagger UI is vendored under /static and started by an
+external script: no CDN, no inline script, no exception)."""
 
 from __future__ import annotations
 

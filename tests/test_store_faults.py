@@ -129,7 +129,10 @@ def test_another_engine_on_an_open_sqlite_store_leaves_its_locks_alone(tmp_path)
     live = first.connect()
     assert live.exec_driver_sql("SELECT count(*) FROM t").scalar() == 1
     second = make_engine(f"sqlite:///{path}")
-    writer = f"import sqlite3; c = sqlite3.connect({str(path)!r}); c.execute('INSERT INTO t VALUES (2)'); c.commit(); c.close()"
+    writer = (
+        f"import sqlite3; c = sqlite3.connect({str(path)!r}); c.execute('INSERT INTO t VALUES (2)'); c.commit(); "
+        "c.close()"
+    )
     subprocess.run([sys.executable, "-c", writer], check=True, timeout=60)  # a worker writes, then exits
     assert (tmp_path / "store.db-wal").exists() and (tmp_path / "store.db-shm").exists()
     live.exec_driver_sql("INSERT INTO t VALUES (3)")

@@ -488,6 +488,9 @@ def _snapshot(engine, run_id: str, after_step: int) -> tuple[dict[str, Any] | No
         return state, metrics
 
 
+RECHECK_EVERY = 2.0  # seconds between re-reads of a stream's token or session
+
+
 @router.get(
     "/runs/{run_id}/stream",
     responses={**NOT_FOUND, 200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
@@ -554,9 +557,6 @@ async def stream_run(
             yield _sse("unavailable", {"detail": "the run store is unavailable: reconnect shortly"})
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
-
-
-RECHECK_EVERY = 2.0  # seconds between re-reads of a stream's token or session
 
 
 def _finite(value: Any) -> Any:
