@@ -10,8 +10,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .models import ApiToken, Run
-from .store.tokens import TokenRole, verify_token
-from .web.session import CSRF_HEADER, csrf_ok, current_session
+from .store.tokens import TokenRole, active_token, verify_token
+from .web.session import CSRF_HEADER, cross_origin, csrf_ok, current_session, live_session
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
@@ -29,8 +29,11 @@ async def optional_token(request: Request) -> ApiToken | None:
         live = await run_in_threadpool(current_session, request)
         if live is None:
             return None
-        if request.method not in SAFE_METHODS and not csrf_ok(request, request.headers.get(CSRF_HEADER)):
-            raise HTTPException(403, "missing or invalid CSRF token (X-CSRF-Token header)")
+        if request.method not in SAFE_METHODS:
+            if (why := cross_origin(request)) is not None:
+                raise HTTPException(403, f"cross-origin request refused: {why}")
+            if not csrf_ok(request, request.headers.get(CSRF_HEADER)):
+                raise HTTPException(403, "missing or invalid CSRF token (X-CSRF-Token header)")
         request.state.token = live[1]
         return live[1]
     if not token:
@@ -42,6 +45,18 @@ async def optional_token(request: Request) -> ApiToken | None:
         raise HTTPException(401, "invalid, expired or revoked API token", {"WWW-Authenticate": "Bearer"})
     request.state.token = found
     return found
+
+
+def still_authorised(request: Request) -> bool:
+    """Whether the credentials this request came with are still good: its browser session (not logged out, not
+    expired, its token live) or its bearer token (not revoked, not expired). Reads, never writes: long-lived
+    responses (``GET /runs/{id}/stream``) ask every few seconds and end once the answer is no."""
+    engine = request.app.state.engine
+    live = getattr(request.state, "web_session", None)
+    if live is not None:
+        return live_session(engine, live[0].id_hash) is not None
+    token = getattr(request.state, "token", None)
+    return token is not None and token.id is not None and active_token(engine, token.id) is not None
 
 
 async def token_if_valid(request: Request) -> ApiToken | None:

@@ -7,6 +7,7 @@ write at the same time; PostgreSQL is used as is through ``COLLAGE_DATABASE_URL`
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -42,11 +43,28 @@ def private_file(path: Path) -> None:
     """Create ``path`` (and its folder) readable by its owner alone: a SQLite store or broker holds token
     hashes, sessions and every run. SQLite gives its -wal and -shm files the database file's mode."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    if not path.exists():
+        # never open a database that exists: closing any descriptor of a file drops every POSIX lock this process
+        # holds on it, so a second engine made here would strip the first engine's connections of their locks
+        # (SQLite's WAL then takes a live database for unused: its -wal/-shm files are removed, "disk I/O error")
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+        except FileExistsError:  # another process made it meanwhile
+            pass
     os.chmod(path, 0o600)
 
 
-def make_engine(url: str) -> Engine:
+# how long a statement waits for a lock another connection holds, unless the engine's user says otherwise (the web
+# app does: COLLAGE_DB_LOCK_TIMEOUT, so a request answers 503 rather than hang)
+DEFAULT_LOCK_TIMEOUT = 30.0
+# best-effort housekeeping on a new SQLite connection may wait this long for the write lock, then is skipped
+HOUSEKEEPING_LOCK_TIMEOUT_MS = 100
+
+
+def make_engine(url: str, lock_timeout: float | None = None) -> Engine:
+    """An engine for ``url``. ``lock_timeout`` (seconds): how long a statement may wait for a lock before it
+    fails with ``OperationalError`` (SQLite's busy timeout, default :data:`DEFAULT_LOCK_TIMEOUT`; PostgreSQL's
+    ``lock_timeout``, none by default)."""
     url = normalise_url(url)
     if url.startswith("sqlite"):
         path = url.split("///", 1)[1] if "///" in url else ""
@@ -54,7 +72,8 @@ def make_engine(url: str) -> Engine:
         pool = {"pool_size": POOL_SIZE, "max_overflow": POOL_OVERFLOW} if on_disk else {}
         if on_disk:
             private_file(Path(path))
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
+        busy_ms = int(1000 * (DEFAULT_LOCK_TIMEOUT if lock_timeout is None else lock_timeout))
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": busy_ms / 1000}, **pool)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):
@@ -62,10 +81,16 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute("PRAGMA busy_timeout=30000")
-            # keep the planner's statistics fresh (bounded work): without them SQLite may pick a worse index
+            # keep the planner's statistics fresh (bounded work): without them SQLite may pick a worse index. It
+            # may write (ANALYZE), so it must never wait behind another process's write transaction: a frozen
+            # writer would otherwise fail every new connection, reads included
             cursor.execute("PRAGMA analysis_limit=1000")
-            cursor.execute("PRAGMA optimize=0x10002")
+            cursor.execute(f"PRAGMA busy_timeout={HOUSEKEEPING_LOCK_TIMEOUT_MS}")
+            try:
+                cursor.execute("PRAGMA optimize=0x10002")
+            except sqlite3.OperationalError:  # locked: the next connection tries again
+                pass
+            cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
             cursor.close()
 
         return engine
@@ -75,20 +100,24 @@ def make_engine(url: str) -> Engine:
         require("postgres", "a PostgreSQL store (COLLAGE_DATABASE_URL)")
     # psycopg prepares repeated statements; a generic plan would use the trigram index even for very common
     # search terms (measured: 0.9 ms -> 157 ms), so plan every execution for its parameters
+    # a process frozen inside a transaction (SIGSTOP, a paused VM) must not hold its locks forever: the server
+    # ends such a session after 60 s (Collage's transactions are short bursts, never idle for that long)
+    options = "-c plan_cache_mode=force_custom_plan -c idle_in_transaction_session_timeout=60000"
+    if lock_timeout is not None:
+        options += f" -c lock_timeout={int(1000 * lock_timeout)}"
     return create_engine(
         url,
-        pool_pre_ping=True,
+        pool_pre_ping=True,  # a connection the server dropped while idle in the pool is replaced at checkout
         pool_size=POOL_SIZE,
         max_overflow=POOL_OVERFLOW,
-        # a process frozen inside a transaction (SIGSTOP, a paused VM) must not hold its locks forever: the server
-        # ends such a session after 60 s (Collage's transactions are short bursts, never idle for that long)
-        connect_args={"options": "-c plan_cache_mode=force_custom_plan -c idle_in_transaction_session_timeout=60000"},
+        connect_args={"options": options},
     )
 
 
-@lru_cache(maxsize=8)
-def engine_for(url: str) -> Engine:
-    return make_engine(url)
+@lru_cache(maxsize=16)
+def engine_for(url: str, lock_timeout: float | None = None) -> Engine:
+    """One engine per process for each (URL, lock timeout)."""
+    return make_engine(url, lock_timeout)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from .dispatch import Dispatcher
 from .limits import BodySizeLimit, RefuseNul
 from .settings import Settings, get_settings
 from .store.writer import StoreWriter
+from .unavailable import StoreUnavailable
 from .version import collage_version
 
 API = "/api/v1"
@@ -39,7 +40,8 @@ def validation_response(errors: list[tuple[str, str]]) -> JSONResponse:
 def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
     """Build the app. Refuses a database that is not migrated to the newest schema."""
     settings = settings or get_settings()
-    engine = engine_for(settings.database_url)
+    # a request waits at most db_lock_timeout for another process's lock, then answers 503 (StoreUnavailable)
+    engine = engine_for(settings.database_url, settings.db_lock_timeout)
     check_migrated(engine)
     if dispatcher is None:
         raise RuntimeError("create_app needs a dispatcher (the Celery one from worker/ in production)")
@@ -54,9 +56,12 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     )
     app.state.settings = settings
     app.state.engine = engine
-    app.state.writer = StoreWriter(engine, settings.artifacts)
+    # the API's writes retry a dropped connection no longer than a request waits for a lock
+    app.state.writer = StoreWriter(engine, settings.artifacts, retry_for=settings.db_lock_timeout)
     app.state.dispatcher = dispatcher
     Path(settings.artifacts).mkdir(parents=True, exist_ok=True)
+    # innermost: every route's store errors become 503 + Retry-After (a dropped connection retried once for reads)
+    app.add_middleware(StoreUnavailable)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RefuseNul)
     from starlette.staticfiles import StaticFiles

@@ -48,7 +48,12 @@ class RunOut(BaseModel):
     finished_at: datetime | None
     updated_at: datetime
     heartbeat_at: datetime | None
-    error: str | None
+    error: str | None = Field(description="why the run failed, in one line (a traceback's last line)")
+    error_detail: str | None = Field(
+        None,
+        description="admin tokens only, GET /runs/{id} only: the traceback behind `error` (it names server paths "
+        "and code, so members never see it); null otherwise",
+    )
     warning_count: int
     attempt: int
     worker: str | None
@@ -140,7 +145,7 @@ class SamplePage(BaseModel):
 class EventOut(BaseModel):
     id: int
     time: datetime
-    level: str
+    level: str = Field(description="debug, info, warning, error; admins also get traceback (a failure's traceback)")
     message: str
 
 

@@ -29,6 +29,7 @@ ENV_VARS = (
     "COLLAGE_CHECK_TIMEOUT",
     "COLLAGE_PREVIEW_MAX_IMAGES",
     "COLLAGE_PREVIEW_MAX_BYTES",
+    "COLLAGE_DB_LOCK_TIMEOUT",
 )
 
 
@@ -66,6 +67,8 @@ class Settings:
     check_timeout: float = 600.0  # the same for a check (it reads every row)
     preview_max_images: int = 320  # images one preview decodes (5 rows of the 64-image maximum)
     preview_max_bytes: int = 256 << 20  # bytes of image data one preview reads and decodes
+    # seconds a web request waits for a lock on the store (another process's write) before it answers 503
+    db_lock_timeout: float = 10.0
 
     def allowed_data_roots(self) -> tuple[Path, ...]:
         return self.data_roots or (self.home,)
@@ -98,6 +101,7 @@ class Settings:
             check_timeout=float(os.environ.get("COLLAGE_CHECK_TIMEOUT", 600.0)),
             preview_max_images=int(os.environ.get("COLLAGE_PREVIEW_MAX_IMAGES", 320)),
             preview_max_bytes=int(os.environ.get("COLLAGE_PREVIEW_MAX_BYTES", 256 << 20)),
+            db_lock_timeout=float(os.environ.get("COLLAGE_DB_LOCK_TIMEOUT", 10.0)),
         )
 
 

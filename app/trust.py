@@ -22,12 +22,13 @@ from collage.training.rewards.registry import import_path_error
 
 from .settings import Settings
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # org/name
+# \Z, not $ (which also matches before a trailing newline: "org/name\n"); .match then matches the whole value
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*\Z")  # org/name
 # a split names a file inside the dataset folder (<split>.jsonl), or a hub split with a slice (train[:10%])
-SPLIT = re.compile(r"^\w[\w.\[\]:%+-]*$")
+SPLIT = re.compile(r"^\w[\w.\[\]:%+-]*\Z")
 LOCAL_PREFIXES = ("/", "~")
 # tiny:<family> and synth:<task>, which Collage itself writes under COLLAGE_HOME
-TINY, SYNTH = re.compile(r"^tiny:\w[\w-]*$"), re.compile(r"^synth:\w[\w-]*$")
+TINY, SYNTH = re.compile(r"^tiny:\w[\w-]*\Z"), re.compile(r"^synth:\w[\w-]*\Z")
 
 
 def is_local(value: str) -> bool:

@@ -132,9 +132,16 @@ def main(run_id: str, attempt: int) -> int:
     except StaleAttempt:
         return EXIT_STALE
     except TrainingError as exc:
+        print(f"run {run_id} failed: {exc}", file=sys.stderr)  # the worker's log keeps the whole error
         return fail(str(exc), f"failed: {str(exc).splitlines()[0][:500]}")
     except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero
-        return fail("".join(traceback.format_exception(exc)), f"failed: {exc}")
+        from collage.app.store.text import exception_line
+
+        # the traceback names server paths and code: the worker's log and admins get it (the store keeps it as an
+        # admin-only event), everyone else its last line (the run's error and the failure event)
+        detail = "".join(traceback.format_exception(exc))
+        print(detail, file=sys.stderr, end="")
+        return fail(detail, f"failed: {exception_line(detail)}")
     finally:
         if trackers is not None:
             try:  # a tracker's warning from its final flush reaches the store (a stale attempt exits in there)

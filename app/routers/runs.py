@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
@@ -16,7 +17,7 @@ from sqlmodel import Session, col
 
 from collage.training.config import ConfigError, RunConfig, apply_overrides, parse_config
 
-from ..auth import FORBIDDEN, UNAUTHORIZED, check_may_change, require_token
+from ..auth import FORBIDDEN, UNAUTHORIZED, check_may_change, require_token, still_authorised
 from ..db import session_scope
 from ..models import ENDED, ApiToken, Event, Metric, Run, RunTag, utcnow
 from ..schemas import (
@@ -32,7 +33,9 @@ from ..schemas import (
 )
 from ..status import RunStatus
 from ..store import queries
-from ..store.tokens import audit
+from ..store.faults import STORE_FAULTS
+from ..store.text import TRACEBACK_LEVEL, has_traceback, public_error
+from ..store.tokens import TokenRole, audit
 from ..validation import semantic_errors
 from .common import creator_names, get_run_or_404, get_session, run_out, run_url
 
@@ -122,7 +125,30 @@ def list_runs(
     rewards = queries.latest_metric(session, ids, "reward")
     creators = creator_names(session, runs)
     items = [run_out(r, tags[r.id], rewards.get(r.id), creators=creators) for r in runs]
+    if not _is_admin(request):
+        for item in items:
+            item.error = public_error(item.error)
     return RunPage(items=items, next_cursor=next_cursor)
+
+
+def _is_admin(request: Request) -> bool:
+    token = getattr(request.state, "token", None)  # set by the router's token check
+    return token is not None and token.role == TokenRole.ADMIN
+
+
+def _error_detail(session: Session, run: Run) -> str | None:
+    """The traceback behind a failed run's error: its newest traceback event (or, for a run that failed before
+    tracebacks moved there, the stored error itself)."""
+    if run.error is None:
+        return None
+    if has_traceback(run.error):
+        return run.error
+    return session.scalars(
+        select(col(Event.message))
+        .where(col(Event.run_id) == run.id, col(Event.level) == TRACEBACK_LEVEL)
+        .order_by(col(Event.id).desc())
+        .limit(1)
+    ).first()
 
 
 @router.get("/runs/{run_id}", response_model=RunOut, responses=NOT_FOUND)
@@ -134,6 +160,10 @@ def get_run(request: Request, run_id: str, session: Annotated[Session, Depends(g
     reward = queries.latest_metric(session, [run.id], "reward").get(run.id)
     out = run_out(run, tags, reward, with_config=True, creators=creator_names(session, [run]))
     out.notes = run.notes
+    if _is_admin(request):
+        out.error_detail = _error_detail(session, run)
+    else:
+        out.error = public_error(out.error)
     if run.status == RunStatus.QUEUED:
         out.queue_position, out.queue_estimate_s = queue_place(request, session, run)
     return out
@@ -374,7 +404,12 @@ def delete_run(
     check_may_change(token, run, "delete")
     if run.status not in ENDED:
         raise HTTPException(409, f"run {run.id} is {run.status}: cancel it first, only ended runs can be deleted")
-    request.app.state.writer.delete_run(run.id, actor=token.name)
+    writer = request.app.state.writer
+    if not writer.delete_run(run.id, actor=token.name):  # conditional: of concurrent deletes, one wins
+        now = writer.run_status(run.id)
+        if now is None:
+            raise HTTPException(404, f"no run with id {run_id!r}")
+        raise HTTPException(409, f"run {run.id} is {now}: cancel it first, only ended runs can be deleted")
     return Response(status_code=204)
 
 
@@ -406,15 +441,25 @@ def get_metrics(
 @router.get("/runs/{run_id}/events", response_model=EventPage, responses=NOT_FOUND)
 def get_events(
     run_id: str,
+    request: Request,
     session: Annotated[Session, Depends(get_session)],
     after: Annotated[int | None, Query(ge=0, le=2**62, description="only events with a larger id")] = None,
-    level: Annotated[str | None, Query(pattern="^(debug|info|warning|error)$")] = None,
+    level: Annotated[str | None, Query(pattern="^(debug|info|warning|error|traceback)$")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> EventPage:
+    """The run's events, oldest first. Tracebacks (level `traceback`) name server paths and code: admins only."""
     get_run_or_404(session, run_id)
+    admin = _is_admin(request)
+    if level == TRACEBACK_LEVEL and not admin:
+        return EventPage(items=[], last_id=after)
     events = queries.query_events(session, run_id, after, limit, level)
-    items = [EventOut(id=e.id, time=e.time, level=e.level, message=e.message) for e in events]
-    return EventPage(items=items, last_id=items[-1].id if items else after)
+    # last_id covers the hidden events too, so a member's next page starts after them
+    items = [
+        EventOut(id=e.id, time=e.time, level=e.level, message=e.message)
+        for e in events
+        if admin or e.level != TRACEBACK_LEVEL
+    ]
+    return EventPage(items=items, last_id=events[-1].id if events else after)
 
 
 def _fresh(request: Request) -> Session:
@@ -443,6 +488,9 @@ def _snapshot(engine, run_id: str, after_step: int) -> tuple[dict[str, Any] | No
         return state, metrics
 
 
+RECHECK_EVERY = 2.0  # seconds between re-reads of a stream's token or session
+
+
 @router.get(
     "/runs/{run_id}/stream",
     responses={**NOT_FOUND, 200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
@@ -456,35 +504,59 @@ async def stream_run(
     ] = -1,
 ) -> StreamingResponse:
     """Server-sent events: `status` and `progress` on change, `metrics` per new step; ends when the run ends.
-    Non-finite values (a NaN loss) are sent as `null`: JSON has no NaN."""
+    Non-finite values (a NaN loss) are sent as `null`: JSON has no NaN.
+
+    The caller's token or browser session is checked again every few seconds: once it is revoked, expired or
+    logged out the stream sends `unauthorized` and ends. A store that fails mid-stream ends it with `unavailable`
+    (the client reconnects)."""
     engine = request.app.state.engine
     state, _ = await run_in_threadpool(_snapshot, engine, run_id, INT_MAX)
     if state is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
+    admin = _is_admin(request)
 
     async def events():
         last_status, last_step, metric_step = None, None, after_step
-        while True:
-            state, metrics = await run_in_threadpool(_snapshot, engine, run_id, metric_step)
-            if state is None:
-                yield _sse("status", {"status": "deleted"})
-                return
-            if state["status"] != last_status:
-                last_status = state["status"]
-                yield _sse("status", state)
-            if state["step"] != last_step:
-                last_step = state["step"]
-                yield _sse("progress", {"step": state["step"], "max_steps": state["max_steps"]})
-            for step, values in metrics.items():
-                metric_step = max(metric_step, step)
-                yield _sse("metrics", {"step": step, **values})
-            if state["status"] in ENDED:
-                return
-            if await request.is_disconnected():
-                return
-            await asyncio.sleep(poll)
+        recheck_at = time.monotonic() + RECHECK_EVERY
+        try:
+            while True:
+                state, metrics = await run_in_threadpool(_snapshot, engine, run_id, metric_step)
+                if state is None:
+                    yield _sse("status", {"status": "deleted"})
+                    return
+                if not admin:
+                    state["error"] = public_error(state["error"])
+                if state["status"] != last_status:
+                    last_status = state["status"]
+                    yield _sse("status", state)
+                if state["step"] != last_step:
+                    last_step = state["step"]
+                    yield _sse("progress", {"step": state["step"], "max_steps": state["max_steps"]})
+                for step, values in metrics.items():
+                    metric_step = max(metric_step, step)
+                    yield _sse("metrics", {"step": step, **values})
+                if state["status"] in ENDED:
+                    return
+                # wait `poll` seconds, in slices of at most RECHECK_EVERY: the credentials are re-read on time even
+                # when the client asked for a slow poll
+                wake = time.monotonic() + poll
+                while True:
+                    if await request.is_disconnected():
+                        return
+                    if time.monotonic() >= recheck_at:
+                        if not await run_in_threadpool(still_authorised, request):
+                            yield _sse("unauthorized", {"detail": "the token or session was revoked, expired or ended"})
+                            return
+                        recheck_at = time.monotonic() + RECHECK_EVERY
+                    left = wake - time.monotonic()
+                    if left <= 0:
+                        break
+                    await asyncio.sleep(min(left, max(0.0, recheck_at - time.monotonic()) + 0.01))
+        except STORE_FAULTS as exc:  # the answer has begun: no 503 now; end it, the client reconnects
+            log.warning("run %s stream ended: the store failed (%s)", run_id, type(exc).__name__)
+            yield _sse("unavailable", {"detail": "the run store is unavailable: reconnect shortly"})
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
 
 def _finite(value: Any) -> Any:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from collage.training.images import open_raster_file
 
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")  # \Z: `$` would accept a trailing newline
 THUMB_SIZE = 160
 
 

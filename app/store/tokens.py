@@ -9,19 +9,26 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import queue
 import secrets
+import threading
+import time
+from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 from enum import Enum
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
 from collage.training.errors import CollageError
 
-from ..db import session_scope
+from ..db import engine_for, session_scope
 from ..models import ApiToken, AuditEntry, LoginLink, WebSession, utcnow
 from .sql import changed_rows
+
+log = logging.getLogger("collage.auth")
 
 PREFIX = "clg_"
 LINK_LIFETIME = timedelta(minutes=10)
@@ -91,17 +98,73 @@ def create_token(
 
 
 def verify_token(engine: Engine, token: str) -> ApiToken | None:
+    """The live token of this secret, or None. A read and nothing else: ``last_used_at`` is noted off the request's
+    path (:func:`note_use`), so a store that is locked for writing still answers reads."""
     digest = hash_secret(token)
     with Session(engine, expire_on_commit=False) as session:
         found = session.scalars(select(ApiToken).where(col(ApiToken.token_hash) == digest)).first()
-        if found is None or not hmac.compare_digest(found.token_hash, digest) or not usable(found):
+    if found is None or not hmac.compare_digest(found.token_hash, digest) or not usable(found):
+        return None
+    note_use(engine, found)
+    return found
+
+
+USE_RESOLUTION = timedelta(minutes=1)  # last_used_at is written at most this often per token
+USE_LOCK_TIMEOUT = 0.25  # seconds a note waits for a lock, then is skipped
+_use_lock = threading.Lock()
+_use_noted: dict[tuple[int, str], float] = {}  # (engine, token hash) -> monotonic time of this process's last note
+_use_queue: queue.SimpleQueue[tuple[Future[None], Engine, int, datetime]] = queue.SimpleQueue()
+_use_thread: threading.Thread | None = None
+
+
+def note_use(engine: Engine, token: ApiToken) -> Future[None] | None:
+    """Record that ``token`` was used, at most once a minute, best effort: on a background thread, waiting at most
+    :data:`USE_LOCK_TIMEOUT` s for a lock; a failure is logged and forgotten. Never delays or fails a request.
+    Returns the pending write (tests wait for it), or None when none was needed."""
+    assert token.id is not None
+    now = utcnow()
+    last = _aware(token.last_used_at)
+    if last is not None and now - last < USE_RESOLUTION:
+        return None
+    key = (id(engine), token.token_hash)  # not the id: a store emptied and filled again reuses ids
+    with _use_lock:
+        noted = _use_noted.get(key)
+        if noted is not None and time.monotonic() - noted < USE_RESOLUTION.total_seconds():
             return None
-        now = utcnow()
-        last = _aware(found.last_used_at)
-        if last is None or now - last > timedelta(minutes=1):
-            session.execute(update(ApiToken).where(col(ApiToken.id) == found.id).values(last_used_at=now))
-            session.commit()
-        return found
+        _use_noted[key] = time.monotonic()
+        global _use_thread
+        if _use_thread is None or not _use_thread.is_alive():
+            # a daemon: a note still pending when the process exits is simply not written
+            _use_thread = threading.Thread(target=_use_writer, name="collage-token-use", daemon=True)
+            _use_thread.start()
+    done: Future[None] = Future()
+    _use_queue.put((done, engine, token.id, now))
+    return done
+
+
+def _use_writer() -> None:
+    while True:
+        done, engine, token_id, now = _use_queue.get()
+        _write_use(engine, token_id, now)
+        done.set_result(None)
+
+
+def _write_use(engine: Engine, token_id: int, now: datetime) -> None:
+    try:
+        # an engine of the same store whose statements wait at most USE_LOCK_TIMEOUT for a lock (SQLite's busy
+        # timeout, PostgreSQL's lock_timeout); this thread holds at most one of its connections
+        quick = engine_for(engine.url.render_as_string(hide_password=False), USE_LOCK_TIMEOUT)
+        with session_scope(quick) as session:
+            session.execute(
+                update(ApiToken)
+                .where(
+                    col(ApiToken.id) == token_id,
+                    or_(col(ApiToken.last_used_at).is_(None), col(ApiToken.last_used_at) < now - USE_RESOLUTION),
+                )
+                .values(last_used_at=now)
+            )
+    except Exception:  # a lost "last used" time must never matter: logged; the next use after a minute tries again
+        log.warning("could not note the use of token %s (the store is busy): skipped", token_id, exc_info=True)
 
 
 def active_token(engine: Engine, token_id: int) -> ApiToken | None:

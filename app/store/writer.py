@@ -44,6 +44,7 @@ from ..models import (
 from . import rollups
 from .images import image_info, write_image
 from .sql import changed_rows, dialect_insert
+from .text import TRACEBACK_LEVEL, clean_json, clean_text, nul_note, split_traceback
 from .tokens import audit
 
 log = logging.getLogger("collage.store")
@@ -238,17 +239,23 @@ class StoreWriter:
             changes.setdefault("heartbeat_at", now)
         if to in ENDED:
             changes["finished_at"] = now
+        detail = None
+        if isinstance(error, str):  # everyone sees the error without its traceback; that is an admin-only event
+            error, detail = split_traceback(clean_text(error)[0])
         if error is not _KEEP:
             changes["error"] = error  # None clears it (a resumed run)
         conditions = [col(Run.id) == run_id, col(Run.status).in_(list(from_states)), *where]
         if when_attempt is not None:
             conditions.append(col(Run.attempt) == when_attempt)
+        text = clean_text(message)[0] if message else f"status: {to}"
 
         def write(session: Session) -> bool:
             if changed_rows(session, update(Run).where(*conditions).values(**changes)) != 1:
                 return False
             level = "error" if to == RunStatus.FAILED else "info"
-            session.add(Event(run_id=run_id, level=level, message=message or f"status: {to}", actor=actor))
+            session.add(Event(run_id=run_id, level=level, message=text, actor=actor))
+            if detail is not None:
+                session.add(Event(run_id=run_id, level=TRACEBACK_LEVEL, message=detail, actor=actor))
             return True
 
         return self._unguarded()._write(write)
@@ -304,8 +311,20 @@ class StoreWriter:
 
     # --------------------------------------------------------------- events
     def add_event(self, run_id: str, level: str, message: str, actor: str | None = None) -> None:
+        """One event. A message that holds a Python traceback (a training error's) is stored twice: without the
+        traceback at ``level``, for everyone, and whole at :data:`TRACEBACK_LEVEL`, which only admins read."""
+        message, nuls = clean_text(message)
+        events = [(level, message)]
+        if level != TRACEBACK_LEVEL:
+            public, detail = split_traceback(message)
+            if detail is not None:
+                events = [(level, public), (TRACEBACK_LEVEL, detail)]
+        if nuls:
+            events[0] = (events[0][0], f"{events[0][1]} [{nul_note(nuls, 'this message')}]")
+
         def write(session: Session) -> None:
-            session.add(Event(run_id=run_id, level=level, message=message, actor=actor))
+            for event_level, text in events:
+                session.add(Event(run_id=run_id, level=event_level, message=text, actor=actor))
 
         counted = {"warning_count": Run.warning_count + 1} if level == "warning" else {}
         self._write(write, run_id, **counted)
@@ -313,10 +332,15 @@ class StoreWriter:
     # -------------------------------------------------------------- metrics
     def append_metrics(self, run_id: str, step: int, metrics: Mapping[str, Any]) -> None:
         """Upsert one step's metrics and fold them into the per-bucket rollups, in one transaction."""
-        values = {k: _clean(v) for k, v in metrics.items()}
+        values: dict[str, float | None] = {}
+        nuls = 0
+        for key, value in metrics.items():
+            key, n = clean_text(key)
+            values[key], nuls = _clean(value), nuls + n
         if not values:
             return
         rows = [{"run_id": run_id, "key": k, "step": step, "value": v} for k, v in values.items()]
+        note = f"step {step}: {nul_note(nuls, 'metric names')}" if nuls else None
 
         def write(session: Session) -> None:
             before = dict(
@@ -336,8 +360,10 @@ class StoreWriter:
             fresh = {k: v for k, v in values.items() if k not in before and v is not None}
             rollups.add_points(session, run_id, step, fresh)
             rollups.recompute(session, run_id, changed, [step])
+            if note is not None:
+                session.add(Event(run_id=run_id, level="warning", message=note))
 
-        self._write(write)
+        self._write(write, run_id, **({"warning_count": Run.warning_count + 1} if note is not None else {}))
 
     # -------------------------------------------------------------- samples
     def append_samples(self, run_id: str, step: int, rows: Iterable[Any]) -> int:
@@ -360,19 +386,25 @@ class StoreWriter:
                  "created_at": utcnow()}
             )  # fmt: skip
         sample_rows = []
+        nuls = 0  # NUL characters replaced in this step's text (completions, prompts, columns, reward names)
         for row, shas in zip(rows, per_row, strict=True):
             reward = _clean(row.reward)
             std = _clean(row.group_std)
+            prompt, n_prompt = clean_json(row.prompt)
+            completion, n_completion = clean_text(row.completion)
+            rewards, n_rewards = clean_json({k: _clean(v) for k, v in row.rewards.items()})
+            columns, n_columns = clean_json(scalar_columns(getattr(row, "columns", None)))
+            nuls += n_prompt + n_completion + n_rewards + n_columns
             sample_rows.append(
                 {
                     "run_id": run_id,
                     "step": step,
                     "group": int(row.group),
                     "index": int(row.index),
-                    "prompt": row.prompt,
-                    "prompt_text": prompt_text(row.prompt),
-                    "completion": row.completion,
-                    "rewards": {k: _clean(v) for k, v in row.rewards.items()},
+                    "prompt": prompt,
+                    "prompt_text": prompt_text(prompt),
+                    "completion": completion,
+                    "rewards": rewards,
                     "reward": reward,
                     "reward_sort": NULL_REWARD if reward is None else reward,
                     "advantage": _clean(row.advantage) or 0.0,
@@ -383,9 +415,10 @@ class StoreWriter:
                     "group_std": std,
                     "zero_std": std is not None and abs(std) < 1e-8,
                     "dataset_row": getattr(row, "dataset_row", getattr(row, "row", None)),
-                    "columns": scalar_columns(getattr(row, "columns", None)) or None,
+                    "columns": columns or None,
                 }
             )
+        note = f"step {step}: {nul_note(nuls, 'rollout text')}" if nuls else None
 
         def write(session: Session) -> None:
             if image_rows:
@@ -405,8 +438,10 @@ class StoreWriter:
                 ]
                 if links:
                     session.execute(insert(table_of(SampleImage)), links)
+            if note is not None:
+                session.add(Event(run_id=run_id, level="warning", message=note))
 
-        self._write(write)
+        self._write(write, run_id, **({"warning_count": Run.warning_count + 1} if note is not None else {}))
         return len(sample_rows)
 
     # ---------------------------------------------------------- checkpoints
@@ -419,8 +454,20 @@ class StoreWriter:
 
         self._write(write)
 
-    def delete_run(self, run_id: str, actor: str | None = None) -> None:
-        def write(session: Session) -> None:
+    def delete_run(self, run_id: str, actor: str | None = None) -> bool:
+        """Delete a run that has ended, with everything it wrote, and audit it. Conditional: of concurrent deletes
+        exactly one returns True (and writes the audit entry); the others, and a run that is not (or no longer)
+        ended, return False and change nothing."""
+
+        def write(session: Session) -> bool:
+            # claim the run first: the conditional UPDATE takes its row lock (PostgreSQL) or the write lock
+            # (SQLite), so a concurrent delete waits here and then finds no ended run to claim
+            claimed = changed_rows(
+                session,
+                update(Run).where(col(Run.id) == run_id, col(Run.status).in_(list(ENDED))).values(updated_at=utcnow()),
+            )
+            if claimed != 1:
+                return False
             # children first: SQLite enforces the cascades, but deleting explicitly keeps it one fast statement each
             sample_ids = select(col(Sample.id)).where(col(Sample.run_id) == run_id)
             session.execute(delete(SampleImage).where(col(SampleImage.sample_id).in_(sample_ids)))
@@ -431,5 +478,6 @@ class StoreWriter:
             session.execute(delete(Run).where(col(Run.id) == run_id))
             if actor is not None:
                 audit(session, actor, "run.delete", run_id, name)
+            return True
 
-        self._unguarded()._write(write)
+        return self._unguarded()._write(write)

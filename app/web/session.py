@@ -16,9 +16,11 @@ import os
 import secrets
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from fastapi import Request, Response
 from sqlalchemy import delete
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
 from ..db import session_scope
@@ -87,20 +89,24 @@ def end_session(request: Request, response: Response) -> None:
     request.state.web_session = None
 
 
+def live_session(engine: Engine, id_hash: str) -> tuple[WebSession, ApiToken] | None:
+    """The session with this id hash and its token, while both are live (a read, never a write)."""
+    with Session(engine, expire_on_commit=False) as session:
+        row = session.get(WebSession, id_hash)
+        token = session.get(ApiToken, row.token_id) if row is not None else None
+    if row is not None and _aware(row.expires_at) > utcnow() and usable(token):  # type: ignore[operator]
+        assert token is not None
+        return row, token
+    return None
+
+
 def current_session(request: Request) -> tuple[WebSession, ApiToken] | None:
     """The live session of this request's cookie and its token (``None``: not logged in). Cached per request."""
     cached = getattr(request.state, "web_session", _UNSET)
     if cached is not _UNSET:
         return cached
-    found = None
     raw = request.cookies.get(SESSION_COOKIE)
-    if raw:
-        with Session(request.app.state.engine, expire_on_commit=False) as session:
-            row = session.get(WebSession, hash_secret(raw))
-            token = session.get(ApiToken, row.token_id) if row is not None else None
-            if row is not None and _aware(row.expires_at) > utcnow() and usable(token):  # type: ignore[operator]
-                assert token is not None
-                found = (row, token)
+    found = live_session(request.app.state.engine, hash_secret(raw)) if raw else None
     request.state.web_session = found
     return found
 
@@ -128,6 +134,53 @@ def finish_page(request: Request, response: Response) -> Response:
 
 
 def csrf_ok(request: Request, submitted: str | None) -> bool:
+    """Whether a cookie-authenticated unsafe request (an API write, the login and logout forms) may go on: it comes
+    from this site (:func:`cross_origin`) and carries the session's CSRF token (before login, the form cookie's)."""
+    if cross_origin(request) is not None:
+        return False
     live = current_session(request)
     expected = live[0].csrf if live is not None else request.cookies.get(LOGIN_CSRF_COOKIE)
     return bool(expected and submitted and hmac.compare_digest(expected, submitted))
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(scheme: str, host: str | None, port: int | None) -> str | None:
+    if scheme not in _DEFAULT_PORTS or not host:
+        return None
+    return f"{scheme}://{host.lower()}:{port or _DEFAULT_PORTS[scheme]}"
+
+
+def _origin_of(url: str) -> str | None:
+    """``scheme://host:port`` of a URL (the default port spelled out); None for ``null`` or anything unparseable."""
+    try:
+        parts = urlsplit(url.strip())
+        return _origin(parts.scheme.lower(), parts.hostname, parts.port)
+    except ValueError:
+        return None
+
+
+def own_origin(request: Request) -> str | None:
+    """This request's own origin: its scheme (``https`` when a trusted proxy says so: ProxyHeadersMiddleware) and its
+    ``Host`` header."""
+    return _origin(request.url.scheme, request.url.hostname, request.url.port)
+
+
+def cross_origin(request: Request) -> str | None:
+    """Why an unsafe request that a browser's cookie authenticates is refused as cross-origin, or None (OWASP's
+    "verify the origin with standard headers"). Its ``Origin`` must be this site's; ``null`` (an opaque origin: a
+    sandboxed frame, a page that withholds its referrer) is refused too. Without ``Origin``, its ``Referer`` must
+    be this site's when there is one. A request with neither (current browsers send ``Origin`` with every unsafe
+    request; scripts may not) rests on the CSRF token alone. Bearer-token requests never get here: no browser
+    attaches a bearer token on its own."""
+    own = own_origin(request)
+    origin = request.headers.get("origin")
+    if origin is not None:
+        if own is None or _origin_of(origin) != own:
+            return f"Origin {origin[:200]!r} is not this site"
+        return None
+    referer = request.headers.get("referer")
+    if referer and (own is None or _origin_of(referer) != own):
+        return "the Referer is not this site"
+    return None

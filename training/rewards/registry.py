@@ -58,7 +58,9 @@ def reward_docs() -> dict[str, str]:
     return {name: inspect.getdoc(fn) or "" for name, fn in BUILTINS.items()}
 
 
-IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+# \Z, not $: `$` also matches before a trailing newline, so "module:func\n" would pass
+# (with \Z, .match is a full match for every caller)
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*\Z")
 # Never reward modules, whatever the allowlist says: the standard library and the packages Collage itself runs on,
 # whose functions write files, run commands, migrate databases or unpickle (alembic.config:main, os:system, ...).
 DENIED_MODULES = frozenset(sys.stdlib_module_names) | {
