@@ -68,4 +68,6 @@ def test_clone_overrides_pick_list_items_too(api):
     assert [r["weight"] for r in config["rewards"]] == [1.0, 3]
     bad = client.post(f"/api/v1/runs/{run}/clone", json={"overrides": {"rewards[5].weight": 3}})
     assert bad.status_code == 422
-    assert bad.json()["detail"] == [{"path": "rewards[5].weight", "message": "rewards has 2 items: there is no item [5]"}]
+    assert bad.json()["detail"] == [
+        {"path": "rewards[5].weight", "message": "rewards has 2 items: there is no item [5]"}
+    ]
