@@ -196,7 +196,11 @@
     const button = document.getElementById("launch-btn");
     button.disabled = true;
     try {
-      const created = await api("/runs", { method: "POST", body: config() });
+      // a clone goes through the clone route: the new run records the run it came from (its page links to it) and
+      // keeps the config keys the form has no field for (dataset columns, ...), changed by everything the form says
+      const clone = form.dataset.clone;
+      const created = clone ? await api(`/runs/${clone}/clone`, { method: "POST", body: { overrides: config() } })
+        : await api("/runs", { method: "POST", body: config() });
       location.href = "/runs/" + created.id;
     } catch (err) {
       if (err.status === 422) showErrors(err.body.detail);
