@@ -136,11 +136,11 @@
   async function loadTotal(query) {
     const mine = ++totalSeq;
     total = null;
-    let answer = null;
+    let answer;
     try {
       answer = await api(`/runs/${runId}/samples/count`, { params: query });
     } catch (err) {
-      answer = null;  // the page's own request reports a bad filter; the count just stays unknown
+      return;  // the page's own request reports a bad filter; the count just stays unknown
     }
     if (mine !== totalSeq) return;  // the filters changed meanwhile: a newer count is on its way
     total = answer;
