@@ -132,7 +132,7 @@
   }
 
   // How many rows match the filters (GET .../samples/count, capped): asked once per filter change, not per page.
-  let total = null, totalSeq = 0;
+  let total = null, totalSeq = 0, failed = false;
   async function loadTotal(query) {
     const mine = ++totalSeq;
     total = null;
@@ -148,6 +148,7 @@
   }
 
   function showCount() {
+    if (failed) return;  // the filters are refused: no count under the error
     const of = total === null ? "" : total.capped ? ` of more than ${total.cap.toLocaleString("en")}` : ` of ${total.count.toLocaleString("en")}`;
     count.textContent = `${shown.toLocaleString("en")}${of} rows shown` + (cursor && total === null ? " (more on the server)" : "");
     totalBox.textContent = total === null ? "" : total.capped ? `More than ${total.cap.toLocaleString("en")} rows match`
@@ -161,12 +162,13 @@
     const query = params();
     if (!append) writeUrl();
     let page;
-    if (!append) loadTotal(query);
+    if (!append) { const { sort, ...filters } = query; loadTotal(filters); }  // a count has no order
     try {
       page = await api(`/runs/${runId}/samples`, { params: { ...query, limit: 100, cursor: append ? cursor : undefined } });
     } catch (err) {
       if (mine !== seq) return;
       clearErrors();
+      failed = true;
       // no stale rows or count under an error: the table shows nothing until the filters are valid again
       body.replaceChildren();
       cursor = null; shown = 0; lastGroup = null;
@@ -178,6 +180,7 @@
     }
     if (mine !== seq) return;  // a newer request was made meanwhile: its answer wins
     clearErrors();
+    failed = false;
     if (!append) {
       cursor = null; shown = 0; lastGroup = null; body.replaceChildren();
       loadedTop = newestStep;
