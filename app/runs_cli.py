@@ -66,7 +66,7 @@ def list_runs(server: str | None, token: str | None, status: str | None, tag: st
     if not runs:
         print("no runs" + (" match" if status or tag or q else ""), file=sys.stderr)
         return 0
-    rows = [("ID", "NAME", "STATUS", "STEP", "REWARD", "CREATED", "BY")]
+    rows: list[tuple[str, ...]] = [("ID", "NAME", "STATUS", "STEP", "REWARD", "CREATED", "BY")]
     for run in runs:
         reward = run.get("latest_reward")
         step = f"{run['progress']['step']}/{run['progress']['max_steps']}"
