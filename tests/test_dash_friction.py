@@ -17,7 +17,7 @@ from PIL import Image
 from collage.app.store import queries
 from collage.app.store.writer import ImageIn, SampleIn
 
-from .dashboard_support import API, ROOT, shoot, small_config, wait_done, wait_js
+from .dashboard_support import API, ROOT, login, shoot, small_config, wait_done, wait_js
 from .test_dash_rollouts import _config, _fill, _pages
 
 WORDS = "the first image shows a red square and the second one a blue circle so the count is "
@@ -66,19 +66,6 @@ def _seed(server, name: str, completion: str, config_changes: dict | None = None
         writer.append_samples(run.id, step, rows)
     engine.dispose()
     return run.id
-
-
-def login(browser, server, width: int = 1400, height: int = 900, token: str | None = None):
-    context = browser.new_context(viewport={"width": width, "height": height})
-    page = context.new_page()
-    page.errors = []
-    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
-    page.on("console", lambda msg: page.errors.append(msg.text) if msg.type == "error" else None)
-    page.goto(server["base"] + "/login")
-    page.fill('input[name="token"]', token or server["token"])
-    page.click('button[type="submit"]')
-    page.wait_for_url("**/runs")
-    return context, page
 
 
 def wait_status(client, run_id: str, statuses: tuple[str, ...], timeout: float = 180) -> dict:
