@@ -134,10 +134,12 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_link(args: argparse.Namespace) -> int:
+    from .serve_record import resolve_server
+    from .settings import get_settings
     from .store.tokens import create_login_link
 
     code = create_login_link(_store_engine(), args.name)
-    base = (args.server or os.environ.get("COLLAGE_SERVER") or "http://127.0.0.1:8000").rstrip("/")
+    base = resolve_server(args.server, get_settings().home)
     print(f"{base}/login/link/{code}")
     print("one-time login link: single use, valid for 10 minutes", file=sys.stderr)
     return 0
@@ -151,15 +153,53 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         require(
             "worker", f"collage serve --workers {args.workers} (embedded training workers; --workers 0 serves only)"
         )
-    from .serve import serve
+    from .progress import quiet_library_progress_bars
+    from .serve import serve, token_file
+    from .serve_record import Recorder, client_url
+    from .settings import get_settings
 
-    return serve(args.host, args.port, args.workers)
+    quiet_library_progress_bars()  # for the workers and the dataset helper serve starts: they inherit it
+    home = get_settings().home
+    # where this serve listens, for `collage submit`, `runs` and `token link` on this machine (app/serve_record.py)
+    recorder = Recorder(home, client_url(args.host, args.port), args.workers, token_file(home)) if args.port else None
+    if recorder is not None:
+        recorder.start()
+    try:
+        return serve(args.host, args.port, args.workers)
+    finally:
+        if recorder is not None:
+            recorder.stop()
+
+
+ROOT_WARNING = "You're running the worker with superuser privileges"
+
+
+def allow_embedded_root() -> None:
+    """Silence Celery's "running the worker with superuser privileges" warning in a worker `collage serve` started.
+
+    Celery's check (celery.platforms.check_privileges) guards against a root worker that accepts pickle: a broker
+    message would then be code run as root. With pickle accepted it *raises* unless C_FORCE_ROOT is set; without
+    pickle it only warns, and C_FORCE_ROOT changes nothing. Collage accepts JSON only, so that danger does not exist;
+    setting C_FORCE_ROOT would be wrong (it would allow pickle as root if the configuration ever did). An embedded
+    worker is a child of `collage serve`, run by the same user with nothing more than serve already has, and its
+    advice (Celery's --uid) is not an option of `collage serve`: the warning is noise there. A stand-alone
+    `collage worker` as root keeps it: on a GPU host that is a deployment choice worth questioning. Only this one
+    warning is filtered, only in the embedded worker; the pickle refusal is an error and is never affected.
+    """
+    import warnings
+
+    if os.environ.get("COLLAGE_PARENT_PID"):
+        warnings.filterwarnings("ignore", message=ROOT_WARNING)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from .extras import require
 
     require("worker", "collage worker")
+    from .progress import quiet_library_progress_bars
+
+    quiet_library_progress_bars()  # a worker's output is its log; the run's progress is in the store
+    allow_embedded_root()
     from collage.worker.main import run_worker
 
     gpus = [int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else []
@@ -180,8 +220,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from collage.training.config import load_config
     from collage.training.trainer import Trainer
 
-    from .progress import ProgressBar
+    from .progress import ProgressBar, quiet_library_progress_bars
 
+    quiet_library_progress_bars()  # one progress bar, Collage's: a checkpoint save would draw another under it
     config = load_config(args.config, args.set)
     out = Path(args.out or Path("out") / config.name)
     if not args.resume and (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size:
@@ -214,10 +255,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0 if result.status == "succeeded" else 1
 
 
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from .runs_cli import run_command
+
+    return run_command(args)
+
+
+SERVER_HELP = (
+    "server URL (default $COLLAGE_SERVER, else the `collage serve` running on this COLLAGE_HOME, else "
+    "http://127.0.0.1:8000)"
+)
+TOKEN_HELP = "API token (default $COLLAGE_TOKEN, else $COLLAGE_HOME/token)"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from collage.training.data.synth import TASKS
     from collage.training.models.families import TINY_FAMILIES
 
+    from .status import RunStatus
     from .version import collage_version
 
     parser = argparse.ArgumentParser(prog="collage", description="GRPO/RLOO fine-tuning of multi-image VLMs.")
@@ -277,13 +339,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     submit = commands.add_parser("submit", help="submit a run config to a Collage server")
     submit.add_argument("config")
-    submit.add_argument("--server", default=None, help="server URL (default $COLLAGE_SERVER or http://127.0.0.1:8000)")
-    submit.add_argument("--token", default=None, help="API token (default $COLLAGE_TOKEN, else $COLLAGE_HOME/token)")
+    submit.add_argument("--server", default=None, help=SERVER_HELP)
+    submit.add_argument("--token", default=None, help=TOKEN_HELP)
     submit.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
     submit.add_argument(
         "--follow", action="store_true", help="show progress until the run ends; exit 0 only if it succeeded"
     )
     submit.set_defaults(func=_cmd_submit)
+
+    runs = commands.add_parser("runs", help="list, cancel and read the logs of a server's runs (REST API)")
+    runs_sub = runs.add_subparsers(dest="sub", required=True)
+    runs_list = runs_sub.add_parser("list", help="the newest runs: id, name, status (queue place), step, reward")
+    runs_list.add_argument("--status", choices=[s.value for s in RunStatus])
+    runs_list.add_argument("--tag")
+    runs_list.add_argument("-q", help="text in the run name, or an exact run id")
+    runs_list.add_argument("--limit", type=_positive, default=20, help="at most this many runs (default 20)")
+    runs_list.add_argument("--json", action="store_true", help="the runs as the API returns them")
+    runs_cancel = runs_sub.add_parser(
+        "cancel", help="cancel runs: queued ones at once, running ones after a checkpoint"
+    )
+    runs_cancel.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    runs_logs = runs_sub.add_parser("logs", help="a run's events: status changes, warnings, errors")
+    runs_logs.add_argument("run_id", metavar="RUN_ID")
+    runs_logs.add_argument("--follow", "-f", action="store_true",
+                           help="keep printing new events until the run ends; exit 0 only if it succeeded")  # fmt: skip
+    runs_logs.add_argument("--level", choices=("debug", "info", "warning", "error"), help="only events of this level")
+    for command in (runs_list, runs_cancel, runs_logs):
+        command.add_argument("--server", default=None, help=SERVER_HELP)
+        command.add_argument("--token", default=None, help=TOKEN_HELP)
+        command.set_defaults(func=_cmd_runs)
 
     db = commands.add_parser("db", help="the run store").add_subparsers(dest="sub", required=True)
     db_upgrade = db.add_parser("upgrade", help="apply migrations to COLLAGE_DATABASE_URL")
@@ -303,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     token_revoke.set_defaults(func=_cmd_token_revoke)
     token_link = token.add_parser("link", help="print a one-time login URL for a token (single use, 10 minutes)")
     token_link.add_argument("name")
-    token_link.add_argument("--server", help="the dashboard's base URL (default $COLLAGE_SERVER or 127.0.0.1:8000)")
+    token_link.add_argument("--server", help="the dashboard's base URL (default $COLLAGE_SERVER, else the `collage "
+                            "serve` running on this COLLAGE_HOME, else http://127.0.0.1:8000)")  # fmt: skip
     token_link.set_defaults(func=_cmd_token_link)
 
     train = commands.add_parser("train", help="run one GRPO/RLOO run in the foreground, no server")

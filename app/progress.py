@@ -53,3 +53,24 @@ class ProgressBar(Callback):
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+
+def quiet_library_progress_bars() -> None:
+    """No Hugging Face progress bars ("Loading weights", "Writing model shards", datasets' "Map") from this process
+    and the processes it starts. They belong to an interactive session of those libraries: in `collage serve` and
+    `collage worker` they come from background processes that share the terminal (`scripts/demo.sh` follows its
+    run there with `collage submit --follow`, and a worker's output is its log), and `collage train` draws its own
+    bar. Set through the libraries' environment variables before they are imported, so the workers' training
+    processes and the dataset helper inherit it; a value the user set stays."""
+    import os
+
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(name, "1")
+    import importlib
+
+    # a library imported already read its variable then: switch it off through its own function too
+    for module, function in (("huggingface_hub.utils", "disable_progress_bars"),
+                             ("transformers.utils.logging", "disable_progress_bar"),
+                             ("datasets.utils.tqdm", "disable_progress_bars")):  # fmt: skip
+        if module.split(".")[0] in sys.modules:
+            getattr(importlib.import_module(module), function)()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -10,51 +9,55 @@ from pathlib import Path
 import httpx
 import yaml
 
+from .client import ApiError, connect, detail
+from .serve_record import resolve_server, wait_ready
 from .settings import get_settings
 from .status import ENDED, RunStatus
 
-
-def _token(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    if os.environ.get("COLLAGE_TOKEN"):
-        return os.environ["COLLAGE_TOKEN"]
-    path = get_settings().home / "token"
-    return path.read_text().strip() if path.is_file() else None
+READY_WAIT = 120.0  # seconds `collage submit` waits for a serve that is still starting its workers
 
 
 def submit(config_path: str, overrides: list[str], server: str | None, token: str | None, follow: bool) -> int:
-    from collage.training.config import ConfigError, apply_overrides, parse_override
+    from collage.training.config import ConfigError, apply_overrides, name_override_values, parse_override
 
-    server = (server or os.environ.get("COLLAGE_SERVER") or "http://127.0.0.1:8000").rstrip("/")
-    token = _token(token)
-    if not token:
-        print(
-            "collage: error: no API token: pass --token, set COLLAGE_TOKEN, or run `collage token create`",
-            file=sys.stderr,
-        )
-        return 2
     file = Path(config_path)
     if not file.is_file():
         print(f"collage: error: config file not found: {file}", file=sys.stderr)
         return 2
     try:
-        data = apply_overrides(yaml.safe_load(file.read_text()) or {}, [parse_override(o) for o in overrides])
+        parsed = [parse_override(o) for o in overrides]
+        data = apply_overrides(yaml.safe_load(file.read_text()) or {}, parsed)
     except (yaml.YAMLError, ConfigError) as exc:
         print(f"collage: error: {exc}", file=sys.stderr)
         return 2
-    client = httpx.Client(base_url=server + "/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    home = get_settings().home
+    server = resolve_server(server, home)
+    # a `collage serve` of this COLLAGE_HOME that is still starting: its embedded worker is not taking runs yet
+    # (nor is its token written), and a run sent now would be reported as waiting for a worker seconds away
+    record = wait_ready(home, server, READY_WAIT, lambda r: print(
+        f"waiting for collage serve (pid {r.pid}) to start its worker{'s' if r.workers != 1 else ''}…",
+        file=sys.stderr, flush=True))  # fmt: skip
+    if record is not None and not record.ready:
+        print(f"collage: warning: collage serve (pid {record.pid}) has no worker taking runs after {READY_WAIT:.0f} s;"
+              " submitting anyway", file=sys.stderr)  # fmt: skip
+    try:
+        client, server = connect(server, token)
+    except ApiError as exc:
+        print(f"collage: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     try:
         response = client.post("/runs", json=data)
     except httpx.HTTPError as exc:
-        print(f"collage: error: cannot reach {server}: {exc}", file=sys.stderr)
+        print(f"collage: error: cannot reach {server}: {exc} (is `collage serve` running? choose the server with "
+              "--server or COLLAGE_SERVER)", file=sys.stderr)  # fmt: skip
         return 2
     if response.status_code == 422:
-        for error in response.json()["detail"]:
-            print(f"collage: config error: {error['path']}: {error['message']}", file=sys.stderr)
+        errors = [(e["path"], e["message"]) for e in response.json()["detail"]]
+        for path, message in name_override_values(errors, parsed):
+            print(f"collage: config error: {path}: {message}", file=sys.stderr)
         return 2
     if response.status_code != 201:
-        print(f"collage: error: {response.status_code} {response.text}", file=sys.stderr)
+        print(f"collage: error: {response.status_code} {detail(response)}", file=sys.stderr)
         return 2
     run = response.json()
     print(f"submitted run {run['id']} ({server}{run['url']})", flush=True)

@@ -17,9 +17,11 @@ for _ in $(seq 1 120); do
   curl -fsS "http://127.0.0.1:$PORT/api/v1/health" >/dev/null 2>&1 && break
   sleep 0.5
 done
+# submit waits until serve's embedded worker takes runs (serve records its URL and readiness in COLLAGE_HOME)
 .venv/bin/collage submit examples/grpo-count-red.yaml --server "http://127.0.0.1:$PORT" --follow || true
 echo
 echo "The server is still running: http://127.0.0.1:$PORT (API docs at /api/v1/docs, admin token in $COLLAGE_HOME/token)."
-echo "A fresh one-time login link: COLLAGE_HOME=$COLLAGE_HOME .venv/bin/collage token link 'collage serve' --server http://127.0.0.1:$PORT"
+echo "A fresh one-time login link: COLLAGE_HOME=$COLLAGE_HOME .venv/bin/collage token link 'collage serve'"
+echo "Its runs from here: COLLAGE_HOME=$COLLAGE_HOME .venv/bin/collage runs list (and runs logs RUN_ID, runs cancel RUN_ID)"
 echo "Runs, metrics and rollouts are in $COLLAGE_HOME. Ctrl-C to stop."
 wait $SERVER

@@ -91,6 +91,21 @@ def page(browser, server):
     context.close()
 
 
+def login(browser, server, width: int = 1400, height: int = 900, token: str | None = None):
+    """A new browser context of this size, logged in with ``token`` (the admin's by default): ``(context, page)``;
+    the page collects its errors in ``page.errors``."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+    page.on("console", lambda msg: page.errors.append(msg.text) if msg.type == "error" else None)
+    page.goto(server["base"] + "/login")
+    page.fill('input[name="token"]', token or server["token"])
+    page.click('button[type="submit"]')
+    page.wait_for_url("**/runs")
+    return context, page
+
+
 SMALL = {
     "train.max_steps": "4",
     "train.per_device_train_batch_size": "8",

@@ -62,7 +62,7 @@ def test_every_route_but_health_needs_a_token(api):
         ("GET", "/runs/x/events"), ("GET", "/runs/x/stream"), ("GET", "/runs/x/export"), ("GET", "/images/" + "a" * 64),
         ("POST", "/datasets/check"), ("GET", "/datasets/preview"), ("GET", "/rewards"), ("GET", "/models"),
         ("GET", "/tokens"), ("POST", "/tokens"), ("DELETE", "/tokens/x"), ("POST", "/tokens/x/link"), ("GET", "/audit"),
-        ("PATCH", "/runs/x"), ("GET", "/runs/x/histogram"), ("GET", "/workers"),
+        ("PATCH", "/runs/x"), ("GET", "/runs/x/histogram"), ("GET", "/workers"), ("GET", "/runs/x/samples/count"),
     ]  # fmt: skip
     documented = {(m, p.replace("{run_id}", "x").replace("{sha256}", "a" * 64).replace("{name}", "x")) for p, item in
                   app.openapi()["paths"].items() for m in item if p != f"{API}/health" for m in [m.upper()]}  # fmt: skip

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from .dashboard_support import API, ROOT, shoot, wait_js
+from .dashboard_support import API, ROOT, login, shoot, wait_js
 
 API_DOC = ROOT / "docs" / "api.md"
 
@@ -47,19 +47,6 @@ def quick_run(server, tmp_path_factory):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_id = json.loads((folder / "created.json").read_text())["id"]
     return {"id": run_id, "stdout": done.stdout, "folder": folder}
-
-
-def login(browser, server, width: int, height: int):
-    context = browser.new_context(viewport={"width": width, "height": height})
-    page = context.new_page()
-    page.errors = []
-    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
-    page.on("console", lambda msg: page.errors.append(msg.text) if msg.type == "error" else None)
-    page.goto(server["base"] + "/login")
-    page.fill('input[name="token"]', server["token"])
-    page.click('button[type="submit"]')
-    page.wait_for_url("**/runs")
-    return context, page
 
 
 def luminance(page, selector: str = "body", prop: str = "backgroundColor") -> float:

@@ -392,26 +392,61 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+_SEGMENT = re.compile(r"^([^\[\]]+)((?:\[\d+\])*)$")  # a key, then list indexes: rewards[0], a[1][2]
+
+
+def _segments(key: str) -> list[str | int]:
+    """``rewards[0].weight`` -> ``["rewards", 0, "weight"]``; a malformed path is a :class:`ConfigError`."""
+    out: list[str | int] = []
+    for part in key.split("."):
+        match = _SEGMENT.match(part)
+        if not key or match is None:
+            raise ConfigError([(key or "overrides", "override keys are dotted paths like train.learning_rate")])
+        out.append(match.group(1))
+        out.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
+    return out
+
+
+def _shown(segments: Sequence[str | int]) -> str:
+    return "".join(f"[{s}]" if isinstance(s, int) else ("." if i else "") + s for i, s in enumerate(segments))
+
+
 def apply_overrides(data: dict[str, Any], overrides: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """A copy of ``data`` with ``overrides`` applied in order: the one rule for ``collage train/submit --set``
-    and the API's clone ``overrides``. A key is a dotted path (``train.learning_rate``); a mapping value is
-    merged into a mapping already there (``{"train": {"max_steps": 5}}`` keeps the other ``train`` keys),
-    anything else replaces it; missing or null mappings on the way are created."""
+    and the API's clone ``overrides``. A key is a dotted path (``train.learning_rate``) whose parts may pick an
+    existing list item (``rewards[0].weight``); a mapping value is merged into a mapping already there
+    (``{"train": {"max_steps": 5}}`` keeps the other ``train`` keys), anything else replaces it; missing or null
+    mappings on the way are created, list items never are (an index past the end names the list's length)."""
     out = copy.deepcopy(data)
     for key, value in overrides:
-        parts = key.split(".")
-        if not key or not all(parts):
-            raise ConfigError([(key or "overrides", "override keys are dotted paths like train.learning_rate")])
-        node = out
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
+        path = _segments(key)
+        node: Any = out
+        for depth, part in enumerate(path):
+            last = depth == len(path) - 1
+            where = _shown(path[:depth])
+            if isinstance(part, int):
+                if not isinstance(node, list):
+                    raise ConfigError([(key, f"{where} is not a list: [{part}] picks an item of a list")])
+                if part >= len(node):
+                    items = f"{len(node)} item{'s' if len(node) != 1 else ''}"
+                    raise ConfigError([(key, f"{where} has {items}: there is no item [{part}]")])
+            elif not isinstance(node, dict):
+                raise ConfigError([(key, f"{where} is not a mapping")])
+            if last:
+                node[part] = _merged(node[part] if isinstance(part, int) else node.get(part), value)
+                break
+            child = node[part] if isinstance(part, int) else node.get(part)
+            if child is None and not isinstance(path[depth + 1], int):
                 child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError([(key, f"{'.'.join(parts[: depth + 1])} is not a mapping")])
             node = child
-        node[parts[-1]] = _merged(node.get(parts[-1]), value)
     return out
+
+
+def name_override_values(errors: list[tuple[str, str]], overrides: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """Config errors with the value an override gave their key added (``rewards[0].weight: Input should be a valid
+    number ... (--set gave 'x')``): the user sees which of their values was refused, not only where."""
+    given = {key: value for key, value in overrides}
+    return [(path, f"{message} (--set gave {given[path]!r})" if path in given else message) for path, message in errors]
 
 
 def _merged(old: Any, new: Any) -> Any:
@@ -434,7 +469,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError([("config", f"{file} must hold a mapping of keys")])
-    return parse_config(apply_overrides(data, [parse_override(item) for item in overrides or []]))
+    parsed = [parse_override(item) for item in overrides or []]
+    try:
+        return parse_config(apply_overrides(data, parsed))
+    except ConfigError as exc:
+        raise ConfigError(name_override_values(exc.errors, parsed)) from None
 
 
 def dump_config(config: RunConfig) -> str:

@@ -12,12 +12,13 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlmodel import Session
 
 from ..auth import UNAUTHORIZED, require_token
 from ..models import Image, Metric
-from ..schemas import SamplePage
+from ..schemas import SamplePage, ValidationErrorOut
 from ..store import queries
 from .common import get_run_or_404, get_session, sample_out
 
@@ -33,11 +34,7 @@ def image_sizes(session: Session, shas: set[str]) -> dict[str, tuple[int, int]]:
     return {sha: (w, h) for sha, w, h in rows}
 
 
-@router.get("/runs/{run_id}/samples", response_model=SamplePage, responses={404: {"description": "no such run"}})
-def list_samples(
-    run_id: str,
-    request: Request,
-    session: Annotated[Session, Depends(get_session)],
+def sample_filters(
     step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     min_step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     max_step: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
@@ -68,20 +65,9 @@ def list_samples(
     min_images: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     max_images: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     q: Annotated[str | None, Query(max_length=200, description="text in the prompt or the completion")] = None,
-    sort: Annotated[
-        str,
-        Query(
-            pattern=r"^[-+]?(step|reward|advantage|completion_length|group|num_images|id|reward\.[^\x00-\x1f]{1,200})$",
-            description="column, prefix - for descending: step, reward, advantage, completion_length, group, "
-            "num_images, id, or reward.<function> (one reward function of the run's config; unscorable rows lowest)",
-        ),
-    ] = "step",
-    cursor: Annotated[str | None, Query(max_length=500)] = None,
-    limit: Annotated[int, Query(ge=1, le=queries.PAGE_MAX)] = 50,
-) -> SamplePage:
-    run = get_run_or_404(session, run_id)
-    check_reward_names(run.config, sort, reward_name)
-    filters = queries.SampleFilters(
+) -> queries.SampleFilters:
+    """The rollout table's filters, the same for a page of rows and for their count."""
+    return queries.SampleFilters(
         step,
         min_step,
         max_step,
@@ -97,6 +83,27 @@ def list_samples(
         dataset_row,
         group,
     )
+
+
+@router.get("/runs/{run_id}/samples", response_model=SamplePage, responses={404: {"description": "no such run"}})
+def list_samples(
+    run_id: str,
+    request: Request,
+    session: Annotated[Session, Depends(get_session)],
+    filters: Annotated[queries.SampleFilters, Depends(sample_filters)],
+    sort: Annotated[
+        str,
+        Query(
+            pattern=r"^[-+]?(step|reward|advantage|completion_length|group|num_images|id|reward\.[^\x00-\x1f]{1,200})$",
+            description="column, prefix - for descending: step, reward, advantage, completion_length, group, "
+            "num_images, id, or reward.<function> (one reward function of the run's config; unscorable rows lowest)",
+        ),
+    ] = "step",
+    cursor: Annotated[str | None, Query(max_length=500)] = None,
+    limit: Annotated[int, Query(ge=1, le=queries.PAGE_MAX)] = 50,
+) -> SamplePage:
+    run = get_run_or_404(session, run_id)
+    check_reward_names(run.config, sort, filters.reward_name)
     try:
         key = request.app.state.cursor_key
         rows, images, next_cursor = queries.query_samples(session, run_id, filters, sort, cursor, limit, key=key)
@@ -105,6 +112,30 @@ def list_samples(
     sizes = image_sizes(session, {sha for shas in images.values() for sha in shas})
     items = [sample_out(r, images[r.id], sizes) for r in rows]
     return SamplePage(items=items, next_cursor=next_cursor)
+
+
+class SampleCount(BaseModel):
+    count: int = Field(description="rollout rows matching the filters, counted up to `cap`")
+    capped: bool = Field(description="true: more rows than `cap` match (the count stopped there)")
+    cap: int
+
+
+@router.get(
+    "/runs/{run_id}/samples/count",
+    response_model=SampleCount,
+    responses={404: {"description": "no such run"}, 422: {"model": ValidationErrorOut, "description": "a bad filter"}},
+)
+def count_samples(
+    run_id: str,
+    session: Annotated[Session, Depends(get_session)],
+    filters: Annotated[queries.SampleFilters, Depends(sample_filters)],
+) -> SampleCount:
+    """How many rollout rows match the same filters as `GET /runs/{id}/samples` (its total, for "100 of 2,345
+    rows"), counted up to 100,000: beyond that `capped` is true and `count` is the cap."""
+    run = get_run_or_404(session, run_id)
+    check_reward_names(run.config, "step", filters.reward_name)
+    count, capped = queries.count_samples(session, run_id, filters)
+    return SampleCount(count=count, capped=capped, cap=queries.COUNT_CAP)
 
 
 def check_reward_names(config: dict | None, sort: str, reward_name: str | None) -> None:

@@ -2,7 +2,7 @@
 // Charts of the run and compare pages, on uPlot: a legend with the step and every series' value under the cursor,
 // EMA smoothing (the smoothed line bold, the raw line faint), a log-scale toggle per chart (refused, with the
 // reason, while a series has a value <= 0), integer step ticks, a sensible y range for flat series, live updates
-// batched per chart, and a per-step histogram of a rollout column. Text from the server goes in as textContent.
+// batched per chart that keep a drag-zoom until the reader resets it, and a per-step histogram of a rollout column. Text from the server goes in as textContent.
 const CollageCharts = (() => {
   const { api, el, PALETTE } = Collage;
   const SVG = "http://www.w3.org/2000/svg";
@@ -82,13 +82,16 @@ const CollageCharts = (() => {
       this.series = series.map((s, i) => ({ scale: 1, color: i, ...s, values: new Map() }));
       for (const s of this.series) for (const [x, y] of s.points || []) s.values.set(x, y === null ? null : y * s.scale);
       this.log = false;
+      this.zoom = null;  // [min, max] steps the reader dragged to; kept through live updates until reset
       this.logBox = el("input", { type: "checkbox", class: "log-input" });
       this.logLabel = el("label", { class: "log-toggle" }, this.logBox, " log");
+      this.resetButton = el("button", { type: "button", class: "link zoom-reset", hidden: true, title: "show every step (or double-click the chart)", text: "reset zoom" });
       this.note = el("small", { class: "chart-note", hidden: true });
       this.host = el("div", { class: "chart-plot" });
       this.box = el("div", { class: "chart", "data-metric": key },
-        el("div", { class: "chart-head" }, el("h3", { text: title || key }), this.logLabel), this.host, this.note);
+        el("div", { class: "chart-head" }, el("h3", { text: title || key }), el("span", { class: "chart-tools" }, this.resetButton, this.logLabel)), this.host, this.note);
       this.box.chart = this;
+      this.resetButton.addEventListener("click", () => this.resetZoom());
       this.logBox.addEventListener("change", () => this.setLog(this.logBox.checked));
       this.logLabel.addEventListener("click", () => { if (this.logBox.disabled) this.explain(); });
       container.insertBefore(this.box, before);
@@ -184,16 +187,40 @@ const CollageCharts = (() => {
           { ...axis, size: 56, values: (u, vals) => vals.map(tick) },
         ],
         hooks: {
-          setScale: [(u, key) => { if (key === "y") box.dataset.yrange = `${u.scales.y.min},${u.scales.y.max}`; }],
+          setScale: [(u, key) => {
+            if (key === "y") box.dataset.yrange = `${u.scales.y.min},${u.scales.y.max}`;
+            if (key === "x") this.noteZoom(u);
+          }],
         },
       };
+      const zoom = this.zoom;
       this.plot = new uPlot(opts, this.data(), this.host);
       this.built = smoothing;
+      if (zoom) this.applyZoom(zoom);  // a rebuild (log scale, smoothing) keeps the reader's zoom
     }
 
+    // The x range shown is a zoom when it leaves out steps the chart has (a drag selects one; uPlot's double-click
+    // and the reset button show every step again).
+    noteZoom(u) {
+      const xs = u.data[0];
+      const { min, max } = u.scales.x;
+      const zoomed = xs.length > 1 && min !== null && max !== null && (min > xs[0] || max < xs[xs.length - 1]);
+      this.zoom = zoomed ? [min, max] : null;
+      this.box.dataset.zoom = zoomed ? `${min},${max}` : "";
+      this.resetButton.hidden = !zoomed;
+    }
+    applyZoom([min, max]) { this.plot.setScale("x", { min, max }); }
+    resetZoom() {
+      this.zoom = null;
+      if (this.plot) this.plot.setData(this.data());  // every step, the scales fitted to them
+    }
+
+    // New points: drawn without touching a zoom (setData would fit the scales to every step again)
     update() {
-      if (this.refreshLogToggle() || this.built !== smoothing || !this.plot) this.build();
-      else this.plot.setData(this.data());
+      if (this.refreshLogToggle() || this.built !== smoothing || !this.plot) return this.build();
+      const zoom = this.zoom;
+      this.plot.setData(this.data(), !zoom);
+      if (zoom) this.applyZoom(zoom);
     }
 
     set(seriesIndex, step, value) {

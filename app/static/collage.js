@@ -40,6 +40,28 @@ const Collage = (() => {
     return node;
   }
 
+  // A prompt (a string, or chat messages whose content is text and image parts) as text, each image's position
+  // marked where its placeholder stands ("[image 2]", its size in the title). Untrusted: text nodes only.
+  function promptNode(prompt, images = []) {
+    let k = 0;
+    const out = el("div", { class: "prompt" });
+    const messages = typeof prompt === "string" ? [{ role: "user", content: prompt }] : Array.isArray(prompt) ? prompt : [{ role: "?", content: JSON.stringify(prompt) }];
+    for (const m of messages) {
+      const line = el("div", {}, el("b", { text: (m?.role ?? "?") + ": " }));
+      const content = m?.content;
+      const parts = typeof content === "string" ? [{ type: "text", text: content }] : Array.isArray(content) ? content : [{ type: "text", text: JSON.stringify(content ?? "") }];
+      for (const part of parts) {
+        if (part?.type === "image") {
+          k += 1;
+          const image = images[k - 1];
+          line.append(el("span", { class: "image-marker", text: `[image ${k}]`, title: image ? `${image.width}x${image.height}` : "" }));
+        } else line.append(document.createTextNode(typeof part?.text === "string" ? part.text : ""));
+      }
+      out.append(line);
+    }
+    return out;
+  }
+
   const num = (x, digits = 3) => (x === null || x === undefined || Number.isNaN(x)) ? "–" : Number(x).toFixed(digits);
 
   function when(iso) {
@@ -175,7 +197,7 @@ const Collage = (() => {
   }
 
   return {
-    api, el, num, when, duration, timeLeft, sparkline, toYaml, modal, chart, appendPoint, PALETTE,
+    api, el, num, when, duration, timeLeft, sparkline, toYaml, modal, chart, appendPoint, PALETTE, promptNode,
     cssVar, seriesColor, scheme, themed, axisColors,
   };
 })();

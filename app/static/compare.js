@@ -1,8 +1,8 @@
 "use strict";
-// Compare runs: metrics overlaid (live while a run is going: its stream feeds its series), configs side by side
-// with differences highlighted, and the same prompt's rollouts from each run next to each other.
+// Compare runs: metrics overlaid (live while a run is going: its stream feeds its series), the config keys that
+// differ (every key on request), and one prompt (its images and answer) with each run's completions of it.
 (() => {
-  const { api, el, num, PALETTE } = Collage;
+  const { api, el, num, PALETTE, promptNode } = Collage;
   const { Chart, bindSmoothing, parseEvent } = CollageCharts;
   const ids = document.getElementById("compare").dataset.runs.split(",");
   const ENDED = ["succeeded", "failed", "cancelled"];
@@ -18,32 +18,94 @@
     return Object.entries(obj || {}).flatMap(([k, v]) => v && typeof v === "object" && !Array.isArray(v) ? flat(v, prefix + k + ".") : [[prefix + k, v]]);
   }
 
+  // ---- the same prompt, each run: pick a step and a dataset row; the prompt (its images and the row's answer) once,
+  // then each run's completions of it with their rewards. A run whose prompt for that row differs (another dataset)
+  // shows its own.
+
+  const samplesAt = new Map();  // `${run}:${step}` -> that step's rows (a promise)
+  function rowsAt(runId, step) {
+    const key = `${runId}:${step}`;
+    if (!samplesAt.has(key)) samplesAt.set(key, api(`/runs/${runId}/samples`, { params: { step, limit: 500 } }).then(p => p.items));
+    return samplesAt.get(key);
+  }
+  const rowKey = s => s.dataset_row === null || s.dataset_row === undefined ? `group ${s.group}` : `row ${s.dataset_row}`;
+  const samePrompt = (a, b) => JSON.stringify(a.prompt) === JSON.stringify(b.prompt) && a.images.map(i => i.sha256).join() === b.images.map(i => i.sha256).join();
+
+  function promptBlock(sample) {
+    const columns = Object.entries(sample.columns || {});
+    return el("div", { class: "cmp-prompt" },
+      el("div", { class: "thumbs" }, sample.images.map((im, i) => el("img", { src: im.thumb_url, class: "thumb", alt: `image ${i + 1} of ${sample.images.length}`,
+        title: `${im.width}x${im.height}`, onclick: () => Collage.modal(el("img", { src: im.url, class: "full", alt: `image ${i + 1}` })) }))),
+      promptNode(sample.prompt, sample.images),
+      columns.length ? el("div", { class: "columns" }, columns.map(([k, v]) => el("span", { class: "column", "data-column": k }, el("b", { text: k + ": " }), v === null ? "–" : String(v)))) : null);
+  }
+
+  function completionBlock(run, s) {
+    const names = Object.keys(s.rewards || {});
+    return el("div", { class: "cmp-sample", "data-id": s.id },
+      el("pre", { class: "completion", text: s.completion }),
+      el("small", { class: "muted" }, `reward ${num(s.reward)} · advantage ${num(s.advantage)}` + (s.truncated ? " · truncated" : ""),
+        names.length ? " · " + names.map(n => `${n} ${num(s.rewards[n])}`).join(" · ") : ""));
+  }
+
   async function sideBySide(runs) {
     const stepSel = document.getElementById("prompt-step"), rowSel = document.getElementById("prompt-row");
-    const box = document.getElementById("side-by-side");
+    const box = document.getElementById("side-by-side"), shared = document.getElementById("shared-prompt");
+    const stepsOf = await Promise.all(runs.map(r => api(`/runs/${r.id}/histogram`, { params: { bins: 1 } }).then(h => h.steps, () => [])));
+    const steps = [...new Set(stepsOf.flat())].sort((a, b) => a - b);
+    if (!steps.length) { box.replaceChildren(el("p", { class: "muted", text: "No rollouts yet in these runs." })); return; }
+    const inAll = steps.filter(s => stepsOf.every(list => list.includes(s)));
+    stepSel.replaceChildren(...steps.map(s => el("option", { value: s, text: `${s}` + (inAll.includes(s) ? "" : " (not in every run)") })));
+    stepSel.value = String(inAll.length ? inAll[inAll.length - 1] : steps[steps.length - 1]);
+
     const show = async () => {
-      const cols = await Promise.all(runs.map(r => api(`/runs/${r.id}/samples`, { params: { step: stepSel.value, limit: 200 } })));
-      const row = Number(rowSel.value);
-      box.replaceChildren(...runs.map((r, i) => {
-        const samples = cols[i].items.filter(s => s.dataset_row === row);
-        return el("div", { class: "column" }, el("h3", { text: r.name }),
-          samples.length ? null : el("p", { class: "muted", text: "no completion of this prompt at this step" }),
-          samples[0] ? el("div", { class: "thumbs" }, samples[0].images.map(im => el("img", { src: im.thumb_url, class: "thumb", alt: "image" }))) : null,
-          samples.map(s => el("div", { class: "cmp-sample" }, el("pre", { class: "completion", text: s.completion }),
-            el("small", { text: `reward ${num(s.reward)} · advantage ${num(s.advantage)}` }))));
-      }));
+      const step = Number(stepSel.value), key = rowSel.value;
+      const cols = await Promise.all(runs.map(r => rowsAt(r.id, step)));
+      if (Number(stepSel.value) !== step || rowSel.value !== key) return;  // changed meanwhile
+      const mine = cols.map(items => items.filter(s => rowKey(s) === key));
+      const first = mine.find(m => m.length)?.[0];
+      shared.replaceChildren(...(first ? [el("h3", { text: `Prompt · step ${step} · ${key}` }), promptBlock(first)] : []));
+      box.replaceChildren(...runs.map((r, i) => el("div", { class: "column", "data-run": r.id }, el("h3", { text: r.name }),
+        mine[i].length ? null : el("p", { class: "muted", text: "no completion of this prompt at this step" }),
+        mine[i].length && !samePrompt(mine[i][0], first) ? el("div", { class: "own-prompt" }, el("p", { class: "muted", text: "this run's prompt for this row differs:" }), promptBlock(mine[i][0])) : null,
+        mine[i].map(s => completionBlock(r, s)))));
+      box.dataset.shown = `${step}:${key}`;
     };
-    const first = await Promise.all(runs.map(r => api(`/runs/${r.id}/samples`, { params: { limit: 500 } })));
-    const steps = [...new Set(first.flatMap(p => p.items.map(s => s.step)))].sort((a, b) => a - b);
-    stepSel.replaceChildren(...steps.map(s => el("option", { value: s, text: s })));
     const refreshRows = async () => {
-      const page = await api(`/runs/${runs[0].id}/samples`, { params: { step: stepSel.value, limit: 200 } });
-      const rows = [...new Set(page.items.map(s => s.dataset_row))];
-      rowSel.replaceChildren(...rows.map(r => el("option", { value: r, text: r })));
+      const step = Number(stepSel.value);
+      const cols = await Promise.all(runs.map(r => rowsAt(r.id, step)));
+      const counts = new Map();  // row key -> runs that have it at this step
+      cols.forEach(items => new Set(items.map(rowKey)).forEach(k => counts.set(k, (counts.get(k) || 0) + 1)));
+      const keys = [...counts.keys()].sort((a, b) => counts.get(b) - counts.get(a) || a.localeCompare(b, undefined, { numeric: true }));
+      rowSel.replaceChildren(...keys.map(k => el("option", { value: k, text: counts.get(k) === runs.length ? k : `${k} (${counts.get(k)} of ${runs.length} runs)` })));
       await show();
     };
     stepSel.onchange = refreshRows; rowSel.onchange = show;
-    if (steps.length) await refreshRows();
+    await refreshRows();
+  }
+
+  // ---- config differences: only the keys whose values differ, every key on request
+
+  function configDiff(runs) {
+    const configs = runs.map(r => Object.fromEntries(flat(r.config)));
+    const allKeys = [...new Set(configs.flatMap(c => Object.keys(c)))].sort();
+    const table = document.getElementById("config-diff"), toggle = document.getElementById("diff-all");
+    const summary = document.getElementById("diff-summary");
+    const rows = allKeys.map(key => {
+      const values = configs.map(c => JSON.stringify(c[key] ?? null));
+      return { key, values, differs: new Set(values).size > 1 };
+    });
+    const differing = rows.filter(r => r.differs).length;
+    summary.textContent = differing ? `${differing} of ${rows.length} keys differ` : `The ${rows.length} keys are the same in every run`;
+    toggle.parentElement.querySelector(".toggle-label").textContent = `show all ${rows.length} keys`;
+    const draw = () => {
+      const all = toggle.checked;
+      table.replaceChildren(el("tr", {}, el("th", { text: "key" }), runs.map(r => el("th", { text: r.name }))),
+        ...rows.filter(r => all || r.differs).map(r => el("tr", { class: r.differs ? "differs" : "", "data-key": r.key },
+          el("td", { text: r.key }), r.values.map(v => el("td", { text: v })))));
+    };
+    toggle.onchange = draw;
+    draw();
   }
 
   function addChart(key, runs, metrics) {
@@ -107,15 +169,7 @@
     runs.forEach(r => showState(r.id, { status: r.status, ...r.progress }));
     const live = runs.filter(r => !ENDED.includes(r.status));
     live.forEach((r, i) => follow(runs, r, i < STREAMS_MAX));
-    const configs = runs.map(r => Object.fromEntries(flat(r.config)));
-    const allKeys = [...new Set(configs.flatMap(c => Object.keys(c)))].sort();
-    const table = document.getElementById("config-diff");
-    table.append(el("tr", {}, el("th", { text: "key" }), runs.map(r => el("th", { text: r.name }))));
-    for (const key of allKeys) {
-      const values = configs.map(c => JSON.stringify(c[key] ?? null));
-      const differs = new Set(values).size > 1;
-      table.append(el("tr", { class: differs ? "differs" : "" }, el("td", { text: key }), values.map(v => el("td", { text: v }))));
-    }
+    configDiff(runs);
     await sideBySide(runs);
   })();
 })();

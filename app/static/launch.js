@@ -2,7 +2,7 @@
 // The launch form: builds the run config from the fields, previews and checks the dataset, shows every field
 // error the API returns next to its field. Launching goes through POST /api/v1/runs: the same validation.
 (() => {
-  const { api, el, toYaml } = Collage;
+  const { api, el, toYaml, promptNode } = Collage;
   const form = document.getElementById("launch");
   const rewardsBox = document.getElementById("rewards");
   let rewardNames = [];
@@ -148,27 +148,6 @@
     button.disabled = false;
   }
 
-  function promptNode(prompt, images) {
-    // the prompt as text with each image's position marked, as the rollouts page shows it
-    let k = 0;
-    const out = el("div", { class: "prompt" });
-    const messages = typeof prompt === "string" ? [{ role: "user", content: prompt }] : Array.isArray(prompt) ? prompt : [{ role: "?", content: JSON.stringify(prompt) }];
-    for (const m of messages) {
-      const line = el("div", {}, el("b", { text: (m?.role ?? "?") + ": " }));
-      const content = m?.content;
-      const parts = typeof content === "string" ? [{ type: "text", text: content }] : Array.isArray(content) ? content : [{ type: "text", text: JSON.stringify(content ?? "") }];
-      for (const part of parts) {
-        if (part?.type === "image") {
-          k += 1;
-          const image = images[k - 1];
-          line.append(el("span", { class: "image-marker", text: `[image ${k}]`, title: image ? `${image.width}x${image.height}` : "" }));
-        } else line.append(document.createTextNode(typeof part?.text === "string" ? part.text : ""));
-      }
-      out.append(line);
-    }
-    return out;
-  }
-
   function enlarge(image) {
     Collage.modal(el("figure", {}, el("img", { src: image.url, alt: "image " + image.sha256, class: "full" }), el("figcaption", { text: `${image.width}x${image.height}` })));
   }
@@ -217,7 +196,11 @@
     const button = document.getElementById("launch-btn");
     button.disabled = true;
     try {
-      const created = await api("/runs", { method: "POST", body: config() });
+      // a clone goes through the clone route: the new run records the run it came from (its page links to it) and
+      // keeps the config keys the form has no field for (dataset columns, ...), changed by everything the form says
+      const clone = form.dataset.clone;
+      const created = clone ? await api(`/runs/${clone}/clone`, { method: "POST", body: { overrides: config() } })
+        : await api("/runs", { method: "POST", body: config() });
       location.href = "/runs/" + created.id;
     } catch (err) {
       if (err.status === 422) showErrors(err.body.detail);

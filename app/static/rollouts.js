@@ -5,7 +5,7 @@
 // by side, ranked by reward); live: new steps are announced, never pushed under the reader; every filter and the
 // sort live in the URL query under the API's own parameter names. Untrusted text is only ever shown as text.
 (() => {
-  const { api, el, num } = Collage;
+  const { api, el, num, promptNode } = Collage;
   const ENDED = ["succeeded", "failed", "cancelled", "deleted"];
   const root = document.getElementById("rollouts");
   const runId = root.dataset.run;
@@ -15,6 +15,7 @@
   const body = document.getElementById("samples-body");
   const more = document.getElementById("more");
   const count = document.getElementById("count");
+  const totalBox = document.getElementById("total");
   const slider = form.querySelector('[name="step"]');
   const stepOut = document.getElementById("step-out");
   const formError = document.getElementById("filters-error");
@@ -91,23 +92,6 @@
 
   // ---------------------------------------------------------------------------------------------- rows
 
-  function promptNode(prompt, images) {
-    // the prompt as text, with each image's position marked where its placeholder stands
-    let k = 0;
-    const out = el("div", { class: "prompt" });
-    const messages = typeof prompt === "string" ? [{ role: "user", content: prompt }] : prompt;
-    for (const m of messages || []) {
-      const line = el("div", {}, el("b", { text: m.role + ": " }));
-      const parts = typeof m.content === "string" ? [{ type: "text", text: m.content }] : (m.content || []);
-      for (const part of parts) {
-        if (part.type === "image") line.append(el("span", { class: "image-marker", text: `[image ${++k}]`, title: images[k - 1] ? `${images[k - 1].width}x${images[k - 1].height}` : "" }));
-        else line.append(document.createTextNode(part.text || ""));
-      }
-      out.append(line);
-    }
-    return out;
-  }
-
   // the dataset row's scalar columns (answer, ...), for judging the reward: "answer: 3"
   function columnsNode(columns) {
     const entries = Object.entries(columns || {});
@@ -134,16 +118,43 @@
       el("button", { type: "button", class: "link open-group", text: "view group side by side", onclick: () => openGroup(s.step, s.group) })));
   }
 
+  // each number cell carries its column's name (data-label): on a narrow screen a row is a card and says it
   function sampleRow(s) {
     return el("tr", { class: "sample", "data-id": s.id },
-      el("td", {}, el("button", { type: "button", class: "link position", title: "view this group side by side", text: `${s.step}·${s.group}·${s.index}`, onclick: () => openGroup(s.step, s.group) })),
+      el("td", { class: "position-cell" }, el("button", { type: "button", class: "link position", title: "view this group side by side", text: `${s.step}·${s.group}·${s.index}`, onclick: () => openGroup(s.step, s.group) })),
       el("td", { class: "thumbs" }, thumbs(s.images)),
-      el("td", {}, promptNode(s.prompt, s.images)),
-      el("td", {}, el("pre", { class: "completion", text: s.completion }), s.truncated ? el("span", { class: "badge", text: "truncated" }) : null,
+      el("td", { class: "prompt-cell" }, promptNode(s.prompt, s.images)),
+      el("td", { class: "completion-cell" }, el("pre", { class: "completion", text: s.completion }), s.truncated ? el("span", { class: "badge", text: "truncated" }) : null,
         el("small", { class: "muted", text: ` ${s.completion_length} tokens` }), columnsNode(s.columns)),
-      rewardNames.map(n => el("td", { class: "num", "data-reward": n, text: num(s.rewards[n]) })),
-      el("td", { class: "num total", text: num(s.reward) }),
-      el("td", { class: "num adv-" + advClass(s.advantage), text: num(s.advantage) }));
+      rewardNames.map(n => el("td", { class: "num", "data-reward": n, "data-label": n, text: num(s.rewards[n]) })),
+      el("td", { class: "num total", "data-label": "reward", text: num(s.reward) }),
+      el("td", { class: "num advantage adv-" + advClass(s.advantage), "data-label": "advantage", text: num(s.advantage) }));
+  }
+
+  // How many rows match the filters (GET .../samples/count, capped): asked once per filter change, not per page.
+  let total = null, totalSeq = 0, failed = false;
+  async function loadTotal(query) {
+    const mine = ++totalSeq;
+    total = null;
+    let answer;
+    try {
+      answer = await api(`/runs/${runId}/samples/count`, { params: query });
+    } catch (err) {
+      return;  // the page's own request reports a bad filter; the count just stays unknown
+    }
+    if (mine !== totalSeq) return;  // the filters changed meanwhile: a newer count is on its way
+    total = answer;
+    showCount();
+  }
+
+  function showCount() {
+    if (failed) return;  // the filters are refused: no count under the error
+    const of = total === null ? "" : total.capped ? ` of more than ${total.cap.toLocaleString("en")}` : ` of ${total.count.toLocaleString("en")}`;
+    count.textContent = `${shown.toLocaleString("en")}${of} rows shown` + (cursor && total === null ? " (more on the server)" : "");
+    totalBox.textContent = total === null ? "" : total.capped ? `More than ${total.cap.toLocaleString("en")} rows match`
+      : `${total.count.toLocaleString("en")} row${total.count === 1 ? "" : "s"} match`;
+    totalBox.dataset.count = total === null ? "" : String(total.count);
+    totalBox.dataset.capped = total === null ? "" : String(total.capped);
   }
 
   async function load(append = false) {
@@ -151,21 +162,25 @@
     const query = params();
     if (!append) writeUrl();
     let page;
+    if (!append) { const { sort, ...filters } = query; loadTotal(filters); }  // a count has no order
     try {
       page = await api(`/runs/${runId}/samples`, { params: { ...query, limit: 100, cursor: append ? cursor : undefined } });
     } catch (err) {
       if (mine !== seq) return;
       clearErrors();
+      failed = true;
       // no stale rows or count under an error: the table shows nothing until the filters are valid again
       body.replaceChildren();
       cursor = null; shown = 0; lastGroup = null;
       more.hidden = true;
       count.textContent = "";
+      totalBox.textContent = "";
       showErrors(err);
       return;
     }
     if (mine !== seq) return;  // a newer request was made meanwhile: its answer wins
     clearErrors();
+    failed = false;
     if (!append) {
       cursor = null; shown = 0; lastGroup = null; body.replaceChildren();
       loadedTop = newestStep;
@@ -181,7 +196,7 @@
       body.append(sampleRow(s));
     }
     shown += page.items.length;
-    count.textContent = `${shown} rows shown` + (cursor ? " (more on the server)" : "");
+    showCount();
   }
 
   // -------------------------------------------------------------------------------------------- gallery
@@ -236,6 +251,7 @@
     tableBox.hidden = true;
     more.hidden = true;
     count.hidden = true;
+    totalBox.hidden = true;
     groupView.hidden = false;
     const back = el("button", { type: "button", class: "back", text: "← back to the table", onclick: closeGroup });
     groupView.replaceChildren(back, el("p", { class: "muted", text: "loading…" }));
@@ -274,6 +290,7 @@
     groupView.replaceChildren();
     tableBox.hidden = false;
     count.hidden = false;
+    totalBox.hidden = false;
     more.hidden = !cursor;
     writeUrl();
   }

@@ -6,6 +6,7 @@
   const { api, el, duration, timeLeft } = Collage;
   const { Chart, Histogram, bindSmoothing, parseEvent } = CollageCharts;
   const runId = document.getElementById("run").dataset.run;
+  const mayChange = document.getElementById("run").dataset.mayChange === "1";
   const chartsBox = document.getElementById("charts");
   const charts = new Map();  // metric key -> Chart
   const ENDED = ["succeeded", "failed", "cancelled"];
@@ -33,9 +34,11 @@
     document.getElementById("attempt").textContent = r.attempt;
     const error = document.getElementById("error");
     error.hidden = !r.error; error.textContent = r.error || "";
-    document.getElementById("cancel").disabled = !["queued", "running"].includes(r.status);
-    document.getElementById("resume").disabled = !["failed", "cancelled"].includes(r.status);
-    document.getElementById("delete").disabled = !ENDED.includes(r.status);
+    // a run the user may not change (another member's): its buttons stay disabled, the page says why (run.html)
+    document.getElementById("cancel").disabled = !mayChange || !["queued", "running"].includes(r.status);
+    document.getElementById("resume").disabled = !mayChange || !["failed", "cancelled"].includes(r.status);
+    document.getElementById("delete").disabled = !mayChange || !ENDED.includes(r.status);
+    document.getElementById("edit-meta").disabled = !mayChange;
     renderMeta(r);
   }
 

@@ -1,6 +1,6 @@
 "use strict";
-// The runs table: filters, auto-refresh that updates rows in place (the scroll position never jumps), and
-// selection for comparing.
+// The runs table: filters, auto-refresh that updates rows in place (the scroll position never jumps), a queued
+// run's place in its queue, and selection for comparing.
 (() => {
   const { api, el, num, when, duration, timeLeft, sparkline } = Collage;
   const body = document.getElementById("runs-body");
@@ -25,7 +25,7 @@
     tr.append(
       el("td", {}, box),
       el("td", {}, el("a", { href: "/runs/" + run.id, text: run.name })),
-      el("td", {}, el("span", { class: "status", text: run.status })),
+      el("td", { class: "status-cell" }, el("span", { class: "status", text: run.status }), el("small", { class: "queue-place muted" })),
       el("td", { text: run.algorithm }),
       el("td", { text: run.model }),
       el("td", { text: run.dataset }),
@@ -46,6 +46,22 @@
     } catch (e) { /* a run deleted meanwhile: nothing to draw */ }
   }
 
+  // A queued run's place in its queue and the estimated wait: on the run itself (GET /runs/{id}), asked for the
+  // queued rows only.
+  async function queuePlace(run, tr) {
+    if (run.status !== "queued") return;
+    try {
+      const full = await api("/runs/" + run.id);
+      if (full.status !== "queued" || !full.queue_position) return;
+      const queue = full.config?.resources?.queue || "default";
+      const wait = full.queue_estimate_s === null ? "" : ` · ~${duration(full.queue_estimate_s)} wait`;
+      const slot = tr.querySelector(".queue-place");
+      slot.textContent = ` #${full.queue_position} in ${queue}${wait}`;
+      slot.title = `place ${full.queue_position} among the queued runs of queue ${queue}` + (wait ? ", with the estimated wait until a worker takes it" : "");
+      tr.dataset.queuePosition = String(full.queue_position);
+    } catch (e) { /* a run taken or deleted meanwhile: its next refresh shows it */ }
+  }
+
   async function load(append = false) {
     const page = await api("/runs", { params: { ...params(), limit: 50, cursor: append ? cursor : undefined } });
     cursor = page.next_cursor;
@@ -57,6 +73,7 @@
       const old = body.querySelector(`tr[data-run="${CSS.escape(run.id)}"]`);
       if (old) old.replaceWith(fresh); else body.append(fresh);
       spark(run, fresh);
+      queuePlace(run, fresh);
     }
     if (!append) {
       // keep the order the server gives, without rebuilding rows that did not change

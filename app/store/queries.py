@@ -321,6 +321,19 @@ def query_samples(
     return rows, image_shas(session, [r.id for r in rows]), next_cursor
 
 
+COUNT_CAP = 100_000  # a count stops here: "more than 100,000 rows" is all a reader needs, and it stays cheap
+
+
+def count_samples(session: Session, run_id: str, filters: SampleFilters, cap: int = COUNT_CAP) -> tuple[int, bool]:
+    """``(rows, capped)``: how many samples of the run match ``filters``, counting at most ``cap`` (``capped``:
+    there are more). The count reads an index-ordered LIMIT, so its cost is bounded by ``cap`` rows whatever the
+    run's size."""
+    dialect = session.get_bind().dialect.name
+    matching = _apply_filters(select(Sample.id).where(Sample.run_id == run_id), filters, dialect).limit(cap + 1)
+    found = session.execute(select(func.count()).select_from(matching.subquery())).scalar_one()
+    return min(found, cap), found > cap
+
+
 def image_shas(session: Session, sample_ids: Sequence[int]) -> dict[int, list[str]]:
     """Each sample's image hashes, in prompt order."""
     images: dict[int, list[str]] = {sample_id: [] for sample_id in sample_ids}

@@ -13,6 +13,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from sqlmodel import Session
 
+from ..auth import may_change
 from ..models import ApiToken, Run
 from ..store.tokens import consume_login_link, verify_token
 from .fields import form_fields, gpus_default
@@ -143,20 +144,25 @@ def launch_page(request: Request, clone: str | None = None) -> Response:
     return _render(request, "launch.html", page="launch", sections=sections, clone=clone or "")
 
 
-def _run(request: Request, run_id: str) -> Run | None:
-    with Session(request.app.state.engine) as session:
-        return session.get(Run, run_id) if len(run_id) <= 32 else None
-
-
 @router.get("/runs/{run_id}")
 def run_page(request: Request, run_id: str) -> Response:
-    if _user(request) is None:
+    user = _user(request)
+    if user is None:
         return _login_redirect(request)
-    run = _run(request, run_id)
-    if run is None:
-        return _render(request, "error.html", 404, message=f"No run with id {run_id}.")
+    with Session(request.app.state.engine) as session:
+        run = session.get(Run, run_id) if len(run_id) <= 32 else None
+        if run is None:
+            return _render(request, "error.html", 404, message=f"No run with id {run_id}.")
+        parent = session.get(Run, run.parent_id) if run.parent_id else None
+        creator = session.get(ApiToken, run.created_by) if run.created_by is not None else None
     config_yaml = yaml.safe_dump(run.config, sort_keys=False)
-    return _render(request, "run.html", page="runs", run=run, config_yaml=config_yaml)
+    # what this user may do to the run, decided as the API decides it: the buttons it may not use are disabled
+    # with the reason shown, instead of failing after the confirmation
+    mine = may_change(user, run)
+    who = f"{creator.name} (who created it) or an admin" if creator is not None else "an admin"
+    refusal = None if mine else f"Only {who} can cancel, resume, delete or edit this run. You can clone it."
+    return _render(request, "run.html", page="runs", run=run, config_yaml=config_yaml, parent=parent,
+                   may_change=mine, refusal=refusal)  # fmt: skip
 
 
 @router.get("/runs/{run_id}/rollouts")

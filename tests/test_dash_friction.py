@@ -1,0 +1,322 @@
+"""A new user's friction on the dashboard (issue 17, items 18-21), in a real browser against a real `collage serve`:
+a chart's drag-zoom through live steps, the rollouts' filtered total and their layout at 1400 and 390 px, the
+compare page's shared prompt and config differences, what a member may not do (said before, not after), a clone's
+parent, and a queued run's place in the runs list. Plus the count route on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+
+import pytest
+from PIL import Image
+
+from collage.app.store import queries
+from collage.app.store.writer import ImageIn, SampleIn
+
+from .dashboard_support import API, ROOT, login, shoot, small_config, wait_done, wait_js
+from .test_dash_rollouts import _config, _fill, _pages
+
+WORDS = "the first image shows a red square and the second one a blue circle so the count is "
+
+
+def _png(colour, size=(40, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _writer(server):
+    from collage.app.db import make_engine
+    from collage.app.store.writer import StoreWriter
+
+    engine = make_engine(f"sqlite:///{server['home'] / 'collage.db'}")
+    return engine, StoreWriter(engine, server["home"] / "artifacts")
+
+
+def _seed(server, name: str, completion: str, config_changes: dict | None = None, images: int = 5,
+          rewards=("accuracy", "numeric", "format")) -> str:  # fmt: skip
+    """A finished run written into the server's store: 2 steps x 2 groups x 3 completions of long text, `images`
+    images per prompt, a long dataset column, one reward column per function."""
+    from collage.training.config import parse_config
+
+    engine, writer = _writer(server)
+    config = small_config(name)
+    config["rewards"] = [{"name": r} for r in rewards]
+    config.update(config_changes or {})
+    run = writer.create_run(parse_config(config).model_dump(mode="json"))
+    writer.transition(run.id, ["queued", "running"], "succeeded")
+    for step in (1, 2):
+        rows = []
+        for g in range(2):
+            for i in range(3):
+                pictures = [ImageIn(_png((50 * k, 200 - 30 * k, 60 * g), (48 + 8 * k, 40))) for k in range(images)]
+                content = [{"type": "image"} for _ in pictures] + [
+                    {"type": "text", "text": f"Count the images that show a red shape (prompt {g})."}
+                ]
+                rows.append(SampleIn(group=g, index=i, prompt=[{"role": "user", "content": content}],
+                                     completion=f"{completion} {step}.{g}.{i} " + WORDS * (2 + i), images=pictures,
+                                     rewards={r: 0.25 * i for r in rewards}, reward=0.5 * i, advantage=-1.25 + i,
+                                     completion_length=100 + i, truncated=i == 2, group_mean=0.4, group_std=0.3,
+                                     dataset_row=5 + g, columns={"answer": str(3 + g), "task": "count-red",
+                                                                 "why": "images 1, 3 and 4 show red shapes " * 4}))  # fmt: skip
+        writer.append_samples(run.id, step, rows)
+    engine.dispose()
+    return run.id
+
+
+def wait_status(client, run_id: str, statuses: tuple[str, ...], timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = client.get(f"/runs/{run_id}").json()
+        if run["status"] in statuses:
+            return run
+        time.sleep(0.3)
+    raise AssertionError(f"run {run_id} never reached {statuses}")
+
+
+# ------------------------------------------------------------------------------------------ the count route
+
+
+def test_the_count_matches_every_filter_and_stops_at_its_cap(api):
+    client, _, _, app = api
+    run = client.post(f"{API}/runs", json=_config()).json()["id"]
+    _fill(app, run)  # 3 steps x 4 groups x 4 completions
+    for params in ({}, {"step": 2}, {"advantage": "pos"}, {"reward_name": "accuracy", "min_reward": 0.5},
+                   {"q": "g2"}, {"dataset_row": 11, "max_step": 2}, {"min_reward": 5}):  # fmt: skip
+        answer = client.get(f"{API}/runs/{run}/samples/count", params=params)
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"count": len(_pages(client, run, **params)), "capped": False,
+                                 "cap": queries.COUNT_CAP}, params  # fmt: skip
+    from sqlmodel import Session
+
+    with Session(app.state.engine) as session:
+        assert queries.count_samples(session, run, queries.SampleFilters(), cap=10) == (10, True)
+        assert queries.count_samples(session, run, queries.SampleFilters(), cap=48) == (48, False)
+    bad = client.get(f"{API}/runs/{run}/samples/count", params={"reward_name": "nope"})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["path"] == "query.reward_name"
+    assert client.get(f"{API}/runs/nosuch/samples/count").status_code == 404
+
+
+# ----------------------------------------------------------------------------------------------- run page
+
+
+def test_a_drag_zoom_stays_through_live_steps_until_reset(browser, server):
+    client = server["client"]
+    run = client.post("/runs", json=small_config("zoom-live", max_steps=400)).json()["id"]
+    context, page = login(browser, server)
+    try:
+        wait_status(client, run, ("running",))
+        page.goto(f"{server['base']}/runs/{run}")
+        sel = '.chart[data-metric="reward"]'
+        state = f"(() => {{ const c = document.querySelector('{sel}').chart; return [c.plot.scales.x.min, " \
+                f"c.plot.scales.x.max, c.plot.data[0].length, c.plot.data[0][c.plot.data[0].length - 1]]; }})()"  # fmt: skip
+        wait_js(page, f"!!document.querySelector('{sel}') && document.querySelector('{sel}').chart.plot.data[0].length >= 6",
+                timeout=180_000)  # fmt: skip
+        box = page.locator(f"{sel} .u-over").bounding_box()
+        y = box["y"] + box["height"] / 2
+        page.mouse.move(box["x"] + box["width"] * 0.2, y)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] * 0.6, y, steps=6)
+        page.mouse.up()
+        lo, hi, points, last = page.evaluate(state)
+        assert hi < last and page.get_attribute(sel, "data-zoom") == f"{lo},{hi}"
+        assert page.is_visible(f"{sel} .zoom-reset")
+        wait_js(page, f"{state}[2] >= {points + 2}", timeout=120_000)  # two live steps arrived ...
+        now = page.evaluate(state)
+        assert now[:2] == [lo, hi], (now, lo, hi)  # ... and the reader's zoom stayed
+        shoot(page, "run-zoom-kept", full_page=False)
+        page.click(f"{sel} .zoom-reset")
+        wait_js(page, f"{state}[1] === {state}[3]")  # every step again, the newest included
+        assert page.get_attribute(sel, "data-zoom") == "" and page.is_hidden(f"{sel} .zoom-reset")
+        assert not page.errors, page.errors
+    finally:
+        context.close()
+        client.post(f"/runs/{run}/cancel")
+        wait_done(client, run)
+
+
+# ---------------------------------------------------------------------------------------------- rollouts
+
+
+@pytest.fixture(scope="module")
+def wide(server):
+    return _seed(server, "rollouts-wide", "because")
+
+
+def test_rollouts_show_the_filtered_total_and_fit_1400_px(browser, server, wide):
+    context, page = login(browser, server)
+    page.goto(f"{server['base']}/runs/{wide}/rollouts")
+    wait_js(page, "document.getElementById('total').dataset.count === '12'")
+    assert page.inner_text("#total") == "12 rows match" and page.inner_text("#count") == "12 of 12 rows shown"
+    page.select_option('[name="advantage"]', "pos")  # completion 2 of each group: 4 rows
+    wait_js(page, "document.getElementById('total').dataset.count === '4'")
+    assert page.inner_text("#total") == "4 rows match"
+    page.select_option('[name="advantage"]', "")
+    wait_js(page, "document.querySelectorAll('tr.sample').length === 12")
+    table = page.evaluate("(() => { const b = document.getElementById('table-box'); "
+                          "return [b.scrollWidth, b.clientWidth, b.getBoundingClientRect().right]; })()")  # fmt: skip
+    assert table[0] <= table[1], f"the rollout table is {table[0]} px wide in a {table[1]} px box"
+    for cell in page.locator("tr.sample td.advantage").all():
+        rect = cell.bounding_box()
+        assert rect["x"] + rect["width"] <= table[2] + 0.5 and rect["x"] + rect["width"] <= 1400
+    shoot(page, "rollouts-wide-1400", full_page=False)
+    assert not page.errors, page.errors
+    context.close()
+
+
+def test_rollouts_at_390_px_show_each_completion_on_screen(browser, server, wide):
+    context, page = login(browser, server, 390, 844)
+    page.goto(f"{server['base']}/runs/{wide}/rollouts")
+    wait_js(page, "document.querySelectorAll('tr.sample').length === 12")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    box = page.evaluate(
+        "(() => { const b = document.getElementById('table-box'); return [b.scrollWidth, b.clientWidth]; })()"
+    )
+    assert box[0] <= box[1], box  # nothing to scroll sideways to
+    for row in page.locator("tr.sample").all()[:4]:
+        for part in ("pre.completion", "td.advantage", ".prompt", 'td[data-reward="accuracy"]'):
+            rect = row.locator(part).bounding_box()
+            assert rect["x"] >= 0 and rect["x"] + rect["width"] <= 390, (part, rect)
+        label = row.locator("td.advantage").evaluate("td => getComputedStyle(td, '::before').content")
+        assert label == '"advantage "', label  # a card's numbers say what they are
+    page.locator("tr.sample").first.scroll_into_view_if_needed()
+    shoot(page, "rollouts-wide-390", full_page=False)
+    assert not page.errors, page.errors
+    context.close()
+
+
+# ----------------------------------------------------------------------------------------------- compare
+
+
+def test_compare_shows_the_prompt_images_answer_and_only_differing_keys(browser, server):
+    one = _seed(server, "compare-one", "one says", images=3, rewards=("accuracy", "numeric"))
+    two = _seed(server, "compare-two", "two says", images=3, rewards=("accuracy", "numeric"),
+                config_changes={"train": {**small_config("x")["train"], "learning_rate": 0.003}})  # fmt: skip
+    context, page = login(browser, server)
+    page.goto(f"{server['base']}/compare?ids={one},{two}")
+    wait_js(page, "!!document.getElementById('side-by-side').dataset.shown")
+    step, row = page.get_attribute("#side-by-side", "data-shown").split(":")
+    assert step == "2" and row == "row 5"
+    shared = page.locator("#shared-prompt")
+    assert "Count the images that show a red shape (prompt 0)." in shared.inner_text()
+    assert shared.locator("img.thumb").count() == 3 and shared.locator(".image-marker").count() == 3
+    assert shared.locator('.column[data-column="answer"]').inner_text() == "answer: 3"
+    for run_id, said in ((one, "one says"), (two, "two says")):
+        column = page.locator(f'#side-by-side .column[data-run="{run_id}"]')
+        assert column.locator(".cmp-sample").count() == 3 and said in column.inner_text()
+        assert "accuracy 0.500" in column.inner_text()  # each reward function's value of each completion
+    # the other prompt of the step
+    page.select_option("#prompt-row", "row 6")
+    wait_js(page, "document.getElementById('side-by-side').dataset.shown === '2:row 6'")
+    assert "(prompt 1)" in page.inner_text("#shared-prompt")
+    assert page.inner_text('#shared-prompt .column[data-column="answer"]') == "answer: 4"
+    # config differences: the keys that differ, all of them on request
+    keys = page.eval_on_selector_all("#config-diff tr[data-key]", "rows => rows.map(r => r.dataset.key)")
+    assert keys == ["name", "train.learning_rate"], keys
+    assert page.inner_text("#diff-summary").startswith("2 of ")
+    page.check("#diff-all")
+    total = int(page.inner_text("#diff-summary").split(" of ")[1].split()[0])
+    assert page.locator("#config-diff tr[data-key]").count() == total > 30
+    assert page.locator("#config-diff tr.differs").count() == 2
+    shoot(page, "compare-prompt-and-diff")
+    assert not page.errors, page.errors
+    context.close()
+
+
+# --------------------------------------------------------------------------------- permissions and lineage
+
+
+@pytest.fixture(scope="module")
+def member(server):
+    env = {**server["env"], "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "collage.app.cli", "token", "create", "mia"], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_member_is_told_what_it_may_not_do_before_trying(browser, server, member, wide):
+    import httpx
+
+    client = server["client"]
+    theirs = client.post("/runs", json=small_config("admins-run")).json()["id"]
+    client.post(f"/runs/{theirs}/cancel")
+    wait_done(client, theirs)
+    context, page = login(browser, server, token=member)
+    requests = []
+    page.on("request", lambda r: requests.append((r.method, r.url)) if r.method != "GET" else None)
+    page.goto(f"{server['base']}/runs/{wide}")  # made before runs recorded their creator: admins only
+    assert page.inner_text("#refusal") == "Only an admin can cancel, resume, delete or edit this run. You can clone it."
+    page.goto(f"{server['base']}/runs/{theirs}")  # the admin's run, ended: Delete would be allowed for its owner
+    page.wait_for_selector("#status.status-cancelled")
+    assert page.inner_text("#refusal") == (
+        "Only collage serve (who created it) or an admin can cancel, resume, delete or edit this run. You can clone it."
+    )
+    for button in ("#delete", "#cancel", "#resume", "#edit-meta"):
+        assert page.is_disabled(button), button
+        assert page.get_attribute(button, "aria-describedby") == "refusal"
+    page.click("#delete", force=True)  # a disabled button does nothing: no dialog, no request
+    assert not page.is_visible("#confirm") and not requests
+    assert page.is_enabled('a.button[href^="/launch?clone="]')  # cloning is for everyone
+    shoot(page, "run-member-refused", full_page=False)
+    # the member's own run: its buttons work
+    mine = httpx.post(f"{server['base']}{API}/runs", json=small_config("mine"),
+                      headers={"Authorization": f"Bearer {member}"}, timeout=30).json()["id"]  # fmt: skip
+    server["client"].post(f"/runs/{mine}/cancel")
+    wait_done(server["client"], mine)
+    page.goto(f"{server['base']}/runs/{mine}")
+    page.wait_for_selector("#status.status-cancelled")
+    assert page.locator("#refusal").count() == 0 and page.is_enabled("#delete") and page.is_enabled("#edit-meta")
+    assert not page.errors, page.errors
+    context.close()
+
+
+def test_a_clone_from_the_form_records_its_parent_and_the_page_links_it(browser, server):
+    client = server["client"]
+    source_config = small_config("lineage-source", top_k=5)  # top_k: a key the launch form has no field for
+    source = client.post("/runs", json=source_config).json()["id"]
+    client.post(f"/runs/{source}/cancel")
+    wait_done(client, source)
+    context, page = login(browser, server)
+    page.goto(f"{server['base']}/launch?clone={source}")
+    wait_js(page, "document.querySelector('[name=\"name\"]').value === 'lineage-source-clone'")
+    page.fill('[name="train.max_steps"]', "2")
+    page.click("#launch-btn")
+    page.wait_for_url(f"{server['base']}/runs/*")
+    clone = page.url.rsplit("/", 1)[1]
+    assert clone != source
+    run = client.get(f"/runs/{clone}").json()
+    assert run["parent_id"] == source and run["progress"]["max_steps"] == 2
+    assert run["config"]["train"]["top_k"] == 5  # kept from the source, not reset to the default
+    link = page.locator("#lineage a")
+    assert link.inner_text() == "lineage-source" and link.get_attribute("href") == f"/runs/{source}"
+    shoot(page, "run-cloned-from", full_page=False)
+    client.post(f"/runs/{clone}/cancel")
+    wait_done(client, clone)
+    assert not page.errors, page.errors
+    context.close()
+
+
+def test_the_runs_list_shows_a_queued_runs_place(browser, server):
+    client = server["client"]
+    busy = client.post("/runs", json=small_config("queue-busy", max_steps=400)).json()["id"]
+    wait_status(client, busy, ("running",))
+    waiting = [client.post("/runs", json=small_config(f"queue-{i}")).json()["id"] for i in (1, 2)]
+    context, page = login(browser, server)
+    try:
+        for place, run_id in enumerate(waiting, 1):
+            page.wait_for_selector(f'tr[data-run="{run_id}"][data-queue-position="{place}"]')
+            assert page.inner_text(f'tr[data-run="{run_id}"] .queue-place').startswith(f" #{place} in default")
+        assert page.locator(f'tr[data-run="{busy}"] .queue-place').inner_text() == ""
+        shoot(page, "runs-queue-place", full_page=False)
+        assert not page.errors, page.errors
+    finally:
+        context.close()
+        for run_id in [*waiting, busy]:
+            client.post(f"/runs/{run_id}/cancel")
+        for run_id in [*waiting, busy]:
+            wait_done(client, run_id)
