@@ -71,6 +71,11 @@ class RunOut(BaseModel):
         description="queued runs only: estimated seconds until a worker takes the run, from the live workers of "
         "its queue and recent runs' durations; null when there is no basis (no live worker, no finished run)",
     )
+    queue_workers: int | None = Field(
+        None,
+        description="queued runs only: how many live workers take runs from its resources.queue now (0: the run "
+        "waits until one starts: collage worker --queues <queue>); null when unknown",
+    )
 
 
 class RunPage(BaseModel):

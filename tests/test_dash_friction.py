@@ -320,3 +320,33 @@ def test_the_runs_list_shows_a_queued_runs_place(browser, server):
             client.post(f"/runs/{run_id}/cancel")
         for run_id in [*waiting, busy]:
             wait_done(client, run_id)
+
+
+def test_a_queued_run_says_live_whether_a_worker_takes_its_queue(browser, server):
+    """The run page's "no live worker" note is computed when the page looks (queue_workers), never an event frozen
+    at submit: shown for a queue nobody serves, absent for serve's own queue (the demo's false warning)."""
+    client = server["client"]
+    busy = client.post("/runs", json=small_config("note-busy", max_steps=400)).json()["id"]
+    wait_status(client, busy, ("running",))
+    waiting = client.post("/runs", json=small_config("note-default")).json()["id"]
+    orphan_config = small_config("note-orphan")
+    orphan_config["resources"] = {**orphan_config.get("resources", {}), "queue": "nobody-serves-this"}
+    orphan = client.post("/runs", json=orphan_config).json()["id"]
+    context, page = login(browser, server)
+    try:
+        page.goto(f"{server['base']}/runs/{orphan}")
+        page.wait_for_selector("#queue-note:not([hidden])")
+        assert 'queue "nobody-serves-this"' in page.inner_text("#queue-note")
+        page.goto(f"{server['base']}/runs/{waiting}")
+        wait_js(page, "document.getElementById('status').textContent === 'queued'")
+        page.wait_for_timeout(500)
+        assert page.locator("#queue-note").is_hidden()
+        events = client.get(f"/runs/{orphan}/events").json()["items"]
+        assert [e["level"] for e in events] == ["info"], events  # nothing frozen into the run's history
+        assert not page.errors, page.errors
+    finally:
+        context.close()
+        for run_id in (orphan, waiting, busy):
+            client.post(f"/runs/{run_id}/cancel")
+        for run_id in (orphan, waiting, busy):
+            wait_done(client, run_id)

@@ -65,29 +65,12 @@ def _dispatch(request: Request, run: Run) -> None:
         raise HTTPException(503, f"run {run.id} was stored but could not be queued: {exc}") from exc
 
 
-def _warn_if_no_worker(request: Request, run: Run, queue: str) -> None:
-    """A run for a queue no live worker serves would wait silently: say so on the run page at once."""
-    try:
-        workers = request.app.state.dispatcher.health().get("workers", [])
-    except Exception:  # a broker problem is /health's to report; the run is queued regardless
-        log.exception("could not list live workers for run %s", run.id)
-        return
-    if not any(queue in (w.get("queues") or []) for w in workers):
-        request.app.state.writer.add_event(
-            run.id,
-            "warning",
-            f"no live worker takes runs from queue {queue!r}: the run waits until one starts "
-            f"(collage worker --queues {queue})",
-        )
-
-
 def _create(request: Request, config: RunConfig, token: ApiToken, parent_id: str | None = None) -> Run:
     errors = semantic_errors(config, request.app.state.settings)
     if errors:
         raise _validation_error(errors)
     run = request.app.state.writer.create_run(config.model_dump(mode="json"), parent_id=parent_id, created_by=token)
     _dispatch(request, run)
-    _warn_if_no_worker(request, run, config.resources.queue)
     return run
 
 
@@ -166,6 +149,7 @@ def get_run(request: Request, run_id: str, session: Annotated[Session, Depends(g
         out.error = public_error(out.error)
     if run.status == RunStatus.QUEUED:
         out.queue_position, out.queue_estimate_s = queue_place(request, session, run)
+        out.queue_workers = _queue_workers(request, _queue_of(run.config))
     return out
 
 
@@ -215,17 +199,27 @@ def queue_place(request: Request, session: Session, run: Run) -> tuple[int | Non
     return position, _estimate(request, session, queue, position)
 
 
-def _estimate(request: Request, session: Session, queue: str, position: int) -> float | None:
+def _live_workers_of(request: Request, queue: str) -> list[dict[str, Any]] | None:
+    """The live workers that take runs from ``queue``; None when the registry cannot be read."""
     from collage.worker.registry import live_workers
 
     from .workers import live_within
 
     try:
-        workers = [w for w in live_workers(request.app.state.engine, within=live_within(request))
-                   if queue in (w["queues"] or [])]  # fmt: skip
-    except Exception:  # no estimate rather than no run
-        log.exception("could not list live workers for a queue estimate")
+        return [w for w in live_workers(request.app.state.engine, within=live_within(request))
+                if queue in (w["queues"] or [])]  # fmt: skip
+    except Exception:  # no answer rather than no run
+        log.exception("could not list the live workers of queue %s", queue)
         return None
+
+
+def _queue_workers(request: Request, queue: str) -> int | None:
+    workers = _live_workers_of(request, queue)
+    return None if workers is None else len(workers)
+
+
+def _estimate(request: Request, session: Session, queue: str, position: int) -> float | None:
+    workers = _live_workers_of(request, queue)
     if not workers:
         return None
     recent = session.execute(

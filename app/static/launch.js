@@ -128,7 +128,9 @@
     } }).then(data => {
       if (seq !== previewSeq) return;
       const total = data.total_rows === null || data.total_rows === undefined ? "" : ` of ${data.total_rows}`;
-      rowsBox.replaceChildren(el("h3", { text: `First ${data.rows.length} rows${total}` }), previewRows(data.rows));
+      rowsBox.replaceChildren(el("h3", { text: `First ${data.rows.length} rows${total}` }),
+        // where the preview stopped early (its image or byte budget) and why, said above the rows it did show
+        ...(data.note ? [el("p", { class: "preview-note muted", text: data.note })] : []), previewRows(data.rows));
     }, err => { if (seq === previewSeq) rowsBox.replaceChildren(el("p", { class: "error", text: errorText(err) })); });
     const checkDone = api("/datasets/check", { method: "POST", body: {
       source, split: c.dataset.split, model: c.model.path, max_prompt_length: c.train.max_prompt_length || null,

@@ -15,6 +15,7 @@
   let run = null;
   let histogram = null;
   let source = null;
+  let queuedRefresh = null;
 
   const ORDER = ["reward", OVERLAY, "reward_std", "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
     "clip_ratio/region_mean", "completions/mean_length", "completions/max_length", "completions/clipped_ratio", "loss",
@@ -34,6 +35,14 @@
     document.getElementById("attempt").textContent = r.attempt;
     const error = document.getElementById("error");
     error.hidden = !r.error; error.textContent = r.error || "";
+    // live, not an event written at submit: a worker that starts a moment later makes the note go away
+    const note = document.getElementById("queue-note");
+    const queue = r.config?.resources?.queue || "default";
+    note.hidden = !(r.status === "queued" && r.queue_workers === 0);
+    note.textContent = note.hidden ? "" : `No live worker takes runs from queue "${queue}": the run waits until one starts (collage worker --queues ${queue}).`;
+    // a queued run's place, wait and workers change without a status event: look again while it waits
+    clearTimeout(queuedRefresh);
+    if (r.status === "queued") queuedRefresh = setTimeout(async () => { try { render(await api("/runs/" + runId)); } catch { /* next event */ } }, 10000);
     // a run the user may not change (another member's): its buttons stay disabled, the page says why (run.html)
     document.getElementById("cancel").disabled = !mayChange || !["queued", "running"].includes(r.status);
     document.getElementById("resume").disabled = !mayChange || !["failed", "cancelled"].includes(r.status);
@@ -127,6 +136,11 @@
     source.addEventListener("status", async e => {
       await refresh();
       if (ENDED.includes(parseEvent(e.data).status)) { mine.close(); loadCharts(); }
+    });
+    // the token or session behind the page ended (revoked, logged out): stop and say so instead of retrying
+    source.addEventListener("unauthorized", () => {
+      mine.close(); source = null;
+      showError({ body: { detail: "Your session ended (logged out, or its token was revoked): log in again to follow this run." } });
     });
     source.onerror = () => {
       mine.close();
