@@ -391,6 +391,10 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert bad.returncode == 1 and "failed" in bad.stdout
+        # the dataset helper writes preview images into the artifacts too
+        preview = httpx.get(f"http://127.0.0.1:{port}{API}/datasets/preview", headers=headers, timeout=120,
+                            params={"source": "synth:count-red", "dataset_rows": 8, "min_images": 1})  # fmt: skip
+        assert preview.status_code == 200 and preview.json()["rows"][0]["images"], preview.text
     finally:
         os.killpg(serve.pid, signal.SIGINT)
         try:
@@ -400,6 +404,21 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
             raise
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "home")], capture_output=True, text=True).stdout
     assert serve.returncode == 0 and not leftovers.strip(), log.read_text()[-2000:]
+    # everything serve, its worker, the training child and the dataset helper wrote under COLLAGE_HOME (store,
+    # broker, run folders, checkpoints, rollout and preview images, caches) is its owner's alone
+    home = tmp_path / "home"
+    assert list(home.rglob("trainer_state.pt")) and list(home.rglob("*.png"))
+    assert not _not_private(home), _not_private(home)
+
+
+def _not_private(root: Path) -> dict[str, str]:
+    """Paths under ``root`` whose group or others have any permission (symbolic links aside)."""
+    found = {}
+    for path in [root, *root.rglob("*")]:
+        mode = path.lstat().st_mode
+        if not stat.S_ISLNK(mode) and stat.S_IMODE(mode) & 0o077:
+            found[str(path.relative_to(root))] = oct(stat.S_IMODE(mode))
+    return found
 
 
 def test_runs_go_to_the_queue_their_config_names(cluster):

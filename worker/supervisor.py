@@ -26,6 +26,9 @@ from collage.app.status import ACTIVE, ENDED, RunStatus
 from collage.app.store.writer import StaleAttempt, StoreWriter
 from collage.training.errors import CollageError
 
+from .child import NICE_ENV
+from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded
+
 log = logging.getLogger("collage.worker")
 
 READY_ENV = "COLLAGE_CHILD_READY_FILE"  # the child touches this file once its own heartbeat runs
@@ -48,10 +51,12 @@ def claim(writer: StoreWriter, run_id: str, worker: str) -> Run | None:
         return session.get(Run, run_id)
 
 
-def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str | None]:
-    """The training command for this slot, its environment, and a warning worth recording (or ``None``)."""
+def child_command(run: Run, slot: Slot, nice: int = 0) -> tuple[list[str], dict[str, str], str | None]:
+    """The training command for this slot, its environment, and a warning worth recording (or ``None``).
+    ``nice``: the CPU priority the training runs at (the child applies it before it starts any thread)."""
     wanted = int(run.config.get("resources", {}).get("gpus", 1))
     env = dict(os.environ)
+    env[NICE_ENV] = str(nice)
     single = [sys.executable, "-m", "collage.worker.child", run.id, str(run.attempt)]
     if wanted == 0:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -77,6 +82,42 @@ class SlotTooSmall(CollageError, RuntimeError):
     pass
 
 
+def _training_processes(proc: subprocess.Popen) -> list[int]:
+    """The processes that train: the child itself, or, under ``accelerate launch``, its ranks (the launcher
+    would answer SIGTERM by killing them before they checkpoint)."""
+    if "accelerate.commands.launch" not in proc.args:
+        return [proc.pid]
+    ranks = []
+    for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+        try:
+            ranks += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return ranks
+
+
+def _shut_down(writer: StoreWriter, proc: subprocess.Popen, run_id: str, attempt: int, why: str) -> None:
+    """The worker is stopping: the training process is asked to checkpoint and stop (SIGTERM sets its stop
+    flag), and the run becomes ``cancelling`` with the reason, the store write bounded. Runs once per run."""
+    log.warning("run %s attempt %s: %s: asking the training to checkpoint and stop", run_id, attempt, why)
+    for pid in _training_processes(proc):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    bounded(
+        lambda: writer.transition(
+            run_id,
+            [RunStatus.RUNNING],
+            RunStatus.CANCELLING,
+            when_attempt=attempt,
+            message=f"{why}: checkpoint, then stop",
+        ),
+        SHUTDOWN_BOUND,
+        "recording the shutdown",
+    )
+
+
 def _kill(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -93,8 +134,12 @@ def supervise(
     cancel_grace: float = 60.0,
     heartbeat_every: float = 5.0,
     poll: float = 0.5,
+    stop: StopFlag | None = None,
+    nice: int = 0,
 ) -> str | None:
-    """Run one claimed run to its end; returns its final status (``None`` if the run was not claimed)."""
+    """Run one claimed run to its end; returns its final status (``None`` if the run was not claimed).
+    ``stop``: the worker's shutdown flag; once raised, the run is asked to checkpoint and stop. ``nice``: the
+    training's CPU priority."""
     run = claim(writer, run_id, worker)
     if run is None:
         log.info("run %s is not queued (already claimed, cancelled or deleted): nothing to do", run_id)
@@ -102,7 +147,7 @@ def supervise(
     attempt = run.attempt
     mine = writer.for_attempt(run_id, attempt)
     try:
-        cmd, env, warning = child_command(run, slot)
+        cmd, env, warning = child_command(run, slot, nice)
     except SlotTooSmall as exc:
         writer.transition(
             run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=str(exc), message=f"failed: {exc}"
@@ -116,7 +161,7 @@ def supervise(
         log.info("run %s attempt %s: starting %s", run_id, attempt, " ".join(cmd))
         # its own session, so the whole process group (accelerate's ranks too) can be killed at once
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        return _watch(writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll)
+        return _watch(writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll, stop)
 
 
 def _watch(
@@ -129,10 +174,16 @@ def _watch(
     cancel_grace: float,
     heartbeat_every: float,
     poll: float,
+    stop: StopFlag | None = None,
 ) -> str | None:
     cancel_seen: float | None = None
+    stopping = False
     last_beat = 0.0
     while proc.poll() is None:
+        if stop is not None and stop.requested and not stopping:
+            stopping = True
+            cancel_seen = cancel_seen or time.monotonic()
+            _shut_down(writer, proc, run_id, attempt, stop.why)
         try:
             state = writer.run_state(run_id)
             if not ready.exists() and time.monotonic() - last_beat >= heartbeat_every:
@@ -158,7 +209,7 @@ def _watch(
             )
             _kill(proc)
             return None
-        if state[0] == RunStatus.CANCELLING:
+        if state[0] == RunStatus.CANCELLING or stopping:
             cancel_seen = cancel_seen or time.monotonic()
             if time.monotonic() - cancel_seen > cancel_grace:
                 _kill(proc)

@@ -1,0 +1,145 @@
+"""Stopping workers, with real processes on the embedded defaults (SQLite store, SQLite broker): signals only
+set a flag, one shutdown path runs outside the handler, the run gets its stop checkpoint and ends cancelled
+(resumable), the store is never left locked, and `collage serve` killed with SIGKILL takes every embedded
+worker with it, a restarted one included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlmodel import Session
+
+from collage.app.models import Checkpoint
+
+from .test_workers import API, ROOT, Cluster, _alive, _children_of, free_port, serve_env
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc: Linux")
+
+
+@pytest.fixture
+def embedded(tmp_path):
+    """A Cluster on the embedded defaults: SQLite store and broker files, artifacts, all in one COLLAGE_HOME."""
+    from collage.app.db import upgrade
+
+    home = tmp_path / "home"
+    home.mkdir()
+    database = f"sqlite:///{home / 'collage.db'}"
+    upgrade(database)
+    cluster = Cluster(database, f"sqla+sqlite:///{home / 'broker.db'}", home, home / "artifacts")
+    yield cluster
+    cluster.stop_all()
+
+
+def _store_takes_a_write_at_once(database: Path) -> None:
+    """A write transaction that may wait 2 s for SQLite's lock at most: a store left locked fails this."""
+    connection = sqlite3.connect(database, timeout=2)
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("UPDATE workers SET last_seen = last_seen")
+        connection.commit()
+    finally:
+        connection.close()
+
+
+def test_two_sigterms_in_quick_succession_stop_the_worker_once_with_a_checkpoint(embedded):
+    cluster = embedded
+    worker = cluster.start_worker("w1")
+    run_id = cluster.submit(max_steps=40, delay=0.4)
+    cluster.wait_step(run_id, 2)
+    # two SIGTERMs, the second while the first one's shutdown is under way (a supervisor and `kill` both
+    # stopping it, or serve's parent-death signal and its watcher), then a burst
+    worker.send_signal(signal.SIGTERM)
+    time.sleep(0.005)
+    worker.send_signal(signal.SIGTERM)
+    for _ in range(10):
+        time.sleep(0.002)
+        worker.send_signal(signal.SIGTERM)
+    cluster.wait(lambda: worker.poll() is not None, 120, "the worker to exit")
+    log = cluster.logs["w1"].read_text()
+    run = cluster.run(run_id)
+    assert run["status"] == "cancelled", (run["error"], cluster.events(run_id), log[-3000:])
+    assert "database is locked" not in log and not run["error"]
+    _store_takes_a_write_at_once(Path(cluster.settings.home) / "collage.db")
+    events = cluster.events(run_id)
+    assert len([m for m in events if "is shutting down" in m]) == 1, events
+    assert any(m.startswith("stopped at step") and "checkpoint saved" in m for m in events), events
+    stopped_at = run["progress"]["step"]
+    with Session(cluster.engine) as session:
+        checkpoints = session.execute(
+            select(Checkpoint.step, Checkpoint.path).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
+        ).all()
+    assert checkpoints[-1][0] == stopped_at and Path(checkpoints[-1][1]).is_dir(), (checkpoints, stopped_at)
+    # resumable: a new worker continues it from that checkpoint to the end
+    assert cluster.client.post(f"{API}/runs/{run_id}/resume").status_code == 200
+    cluster.start_worker("w2")
+    run = cluster.wait_status(run_id, ("succeeded", "failed"), timeout=300)
+    assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
+    assert any(f"resumed from checkpoint at step {stopped_at}" in m for m in cluster.events(run_id))
+
+
+def _serve(tmp_path: Path, workers: int) -> tuple[subprocess.Popen, str, dict[str, str], Path]:
+    port, env = free_port(), serve_env(tmp_path)
+    log = tmp_path / "serve.log"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "collage.app.cli", "serve", "--port", str(port), "--workers", str(workers)],
+        env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    return serve, f"http://127.0.0.1:{port}", env, log
+
+
+def _wait(predicate, timeout: float, what: str, log: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{log.read_text()[-3000:]}")
+
+
+def test_serve_killed_with_sigkill_takes_a_restarted_embedded_worker_with_it(tmp_path):
+    """An embedded worker that died is restarted by serve (from serve's pool thread, not its main thread);
+    after `kill -9` of serve the restarted one, and the first, are gone within a liveness timeout."""
+    import httpx
+
+    serve, base, _, log = _serve(tmp_path, workers=2)
+    try:
+        token_file = tmp_path / "home" / "token"
+        token = _wait(lambda: token_file.exists() and token_file.read_text().strip(), 90, "the token", log)
+        headers = {"Authorization": f"Bearer {token}"}
+
+        def workers() -> list[str]:
+            try:
+                return [w["name"] for w in httpx.get(f"{base}{API}/health", headers=headers, timeout=2).json()["workers"]]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return []
+
+        _wait(lambda: len(workers()) == 2, 90, "two embedded workers", log)
+        first = _children_of(serve.pid)
+        assert len(first) == 2
+        os.kill(first[0], signal.SIGKILL)
+        restarted = _wait(lambda: [p for p in _children_of(serve.pid) if p not in first], 30, "a restart", log)
+        # the restarted worker is up (its Celery consumer and its parent watch both running) before serve dies
+        _wait(lambda: any(str(restarted[0]) in line for line in _worker_pids(base, headers)), 90, "it to register", log)
+    finally:
+        serve.send_signal(signal.SIGKILL)
+        serve.wait()
+    everyone = [first[1], *restarted]
+    _wait(lambda: not [p for p in everyone if _alive(p)], 60, "every embedded worker to exit", log)
+
+
+def _worker_pids(base: str, headers: dict[str, str]) -> list[str]:
+    import httpx
+
+    try:
+        return [str(w["pid"]) for w in httpx.get(f"{base}{API}/health", headers=headers, timeout=2).json()["workers"]]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
