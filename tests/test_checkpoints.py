@@ -153,8 +153,6 @@ def test_checkpoint_folders_and_files_are_private_whatever_the_umask(tmp_path):
     modes = _modes(folder.parent)
     assert modes, "a checkpoint was written"
     wrong = {
-        path: oct(mode)
-        for path, mode in modes.items()
-        if mode != (0o700 if (folder.parent / path).is_dir() else 0o600)
+        path: oct(mode) for path, mode in modes.items() if mode != (0o700 if (folder.parent / path).is_dir() else 0o600)
     }
     assert not wrong, wrong

@@ -108,27 +108,18 @@ def _wait(predicate, timeout: float, what: str, log: Path):
 def test_serve_killed_with_sigkill_takes_a_restarted_embedded_worker_with_it(tmp_path):
     """An embedded worker that died is restarted by serve (from serve's pool thread, not its main thread);
     after `kill -9` of serve the restarted one, and the first, are gone within a liveness timeout."""
-    import httpx
-
     serve, base, _, log = _serve(tmp_path, workers=2)
     try:
         token_file = tmp_path / "home" / "token"
         token = _wait(lambda: token_file.exists() and token_file.read_text().strip(), 90, "the token", log)
         headers = {"Authorization": f"Bearer {token}"}
-
-        def workers() -> list[str]:
-            try:
-                return [w["name"] for w in httpx.get(f"{base}{API}/health", headers=headers, timeout=2).json()["workers"]]
-            except (httpx.HTTPError, ValueError, KeyError):
-                return []
-
-        _wait(lambda: len(workers()) == 2, 90, "two embedded workers", log)
+        _wait(lambda: len(_worker_pids(base, headers)) == 2, 90, "two embedded workers", log)
         first = _children_of(serve.pid)
         assert len(first) == 2
         os.kill(first[0], signal.SIGKILL)
         restarted = _wait(lambda: [p for p in _children_of(serve.pid) if p not in first], 30, "a restart", log)
         # the restarted worker is up (its Celery consumer and its parent watch both running) before serve dies
-        _wait(lambda: any(str(restarted[0]) in line for line in _worker_pids(base, headers)), 90, "it to register", log)
+        _wait(lambda: str(restarted[0]) in _worker_pids(base, headers), 90, "it to register", log)
     finally:
         serve.send_signal(signal.SIGKILL)
         serve.wait()
