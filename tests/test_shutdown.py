@@ -19,21 +19,14 @@ from sqlmodel import Session
 
 from collage.app.models import Checkpoint
 
-from .test_workers import API, ROOT, Cluster, _alive, _children_of, free_port, serve_env
+from .test_workers import API, ROOT, _alive, _children_of, embedded_cluster, free_port, serve_env
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc: Linux")
 
 
 @pytest.fixture
 def embedded(tmp_path):
-    """A Cluster on the embedded defaults: SQLite store and broker files, artifacts, all in one COLLAGE_HOME."""
-    from collage.app.db import upgrade
-
-    home = tmp_path / "home"
-    home.mkdir()
-    database = f"sqlite:///{home / 'collage.db'}"
-    upgrade(database)
-    cluster = Cluster(database, f"sqla+sqlite:///{home / 'broker.db'}", home, home / "artifacts")
+    cluster = embedded_cluster(tmp_path)
     yield cluster
     cluster.stop_all()
 

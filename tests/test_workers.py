@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -186,6 +187,24 @@ def run_config(max_steps: int = 4, delay: float = 0.0, rewards: list | None = No
     }  # fmt: skip
     config.update(changes)
     return config
+
+
+def embedded_cluster(tmp_path: Path) -> Cluster:
+    """A Cluster on the embedded defaults: SQLite store and broker files, artifacts, all in one COLLAGE_HOME."""
+    from collage.app.db import upgrade
+
+    home = tmp_path / "home"
+    home.mkdir()
+    database = f"sqlite:///{home / 'collage.db'}"
+    upgrade(database)
+    return Cluster(database, f"sqla+sqlite:///{home / 'broker.db'}", home, home / "artifacts")
+
+
+@pytest.fixture
+def embedded(tmp_path):
+    c = embedded_cluster(tmp_path)
+    yield c
+    c.stop_all()
 
 
 @pytest.fixture
@@ -573,3 +592,42 @@ def test_a_run_survives_twenty_dropped_database_connections_in_fifteen_seconds(c
     assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
     assert _metric_steps(cluster, run_id) == list(range(1, 15))
     assert cluster.count(Sample, Sample.run_id == run_id) == 14 * 8
+
+
+# ------------------------------------------------------------------------------------ lost broker messages
+def _lose_messages(c: Cluster, server: RedisServer | None = None) -> None:
+    """Every message waiting in the default queue is gone, as after a Redis restart without persistence."""
+    if server is not None:
+        import redis
+
+        assert redis.Redis(port=server.port).delete("default") == 1
+        return
+    broker = c.settings.broker_url.removeprefix("sqla+sqlite:///")
+    with sqlite3.connect(broker) as connection:
+        assert connection.execute("DELETE FROM kombu_message WHERE visible = 1").rowcount == 1
+
+
+def _lost_message_is_sent_again(cluster: Cluster, lose) -> None:
+    lost = cluster.submit(max_steps=1, name="lost")
+    lose()
+    later = cluster.submit(max_steps=1, name="later")  # its message is live: on main it ran, `lost` never did
+    cluster.env["COLLAGE_REQUEUE_AFTER"] = "1"
+    cluster.start_worker("w1")
+    for run_id in (lost, later):
+        run = cluster.wait_status(run_id, ("succeeded", "failed"), timeout=240)
+        assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
+        starts = [m for m in cluster.events(run_id) if m.startswith("status: running on")]
+        assert len(starts) == 1, (run_id, starts)  # exactly once
+        assert _metric_steps(cluster, run_id) == [1]
+    # the older run kept its place: it started first, although the broker held only the later one's message
+    assert cluster.run(lost)["started_at"] < cluster.run(later)["started_at"]
+    resent = [m for r in (lost, later) for m in cluster.events(r) if "sent again" in m]
+    assert resent, "the reconciliation re-sent the missing message"
+
+
+def test_a_run_whose_redis_message_was_lost_is_sent_again_and_runs_once_in_order(cluster, redis_server):
+    _lost_message_is_sent_again(cluster, lambda: _lose_messages(cluster, redis_server))
+
+
+def test_a_run_whose_sqlite_broker_message_was_lost_is_sent_again_and_runs_once_in_order(embedded):
+    _lost_message_is_sent_again(embedded, lambda: _lose_messages(embedded))

@@ -51,6 +51,7 @@ def run_worker(
     check_migrated(engine)
     from . import tasks
     from .celery_app import celery_app
+    from .queueing import Reconciler
     from .reaper import Reaper
     from .registry import Registration
     from .supervisor import Slot
@@ -66,6 +67,8 @@ def run_worker(
     tasks.REGISTRATION = registration
     reaper = Reaper(engine, settings.heartbeat_timeout)
     reaper.start()
+    reconciler = Reconciler(settings, engine, queues)  # runs whose broker message was lost are sent again
+    reconciler.start()
 
     stop = tasks.STOP
 
@@ -85,4 +88,5 @@ def run_worker(
         )  # fmt: skip
     finally:
         reaper.stop()
+        reconciler.stop()
         bounded(registration.stop, SHUTDOWN_BOUND, "leaving the worker registry")

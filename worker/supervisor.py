@@ -137,14 +137,28 @@ def supervise(
     stop: StopFlag | None = None,
     nice: int = 0,
 ) -> str | None:
-    """Run one claimed run to its end; returns its final status (``None`` if the run was not claimed).
-    ``stop``: the worker's shutdown flag; once raised, the run is asked to checkpoint and stop. ``nice``: the
-    training's CPU priority."""
+    """Claim ``run_id`` and run it to its end; returns its final status (``None`` if the run was not claimed)."""
     run = claim(writer, run_id, worker)
     if run is None:
         log.info("run %s is not queued (already claimed, cancelled or deleted): nothing to do", run_id)
         return None
-    attempt = run.attempt
+    return run_claimed(writer, run, worker, slot, cancel_grace, heartbeat_every, poll, stop, nice)
+
+
+def run_claimed(
+    writer: StoreWriter,
+    run: Run,
+    worker: str,
+    slot: Slot,
+    cancel_grace: float = 60.0,
+    heartbeat_every: float = 5.0,
+    poll: float = 0.5,
+    stop: StopFlag | None = None,
+    nice: int = 0,
+) -> str | None:
+    """Run a run this worker has claimed to its end; returns its final status. ``stop``: the worker's shutdown
+    flag; once raised, the run is asked to checkpoint and stop. ``nice``: the training's CPU priority."""
+    run_id, attempt = run.id, run.attempt
     mine = writer.for_attempt(run_id, attempt)
     try:
         cmd, env, warning = child_command(run, slot, nice)
