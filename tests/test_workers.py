@@ -189,7 +189,7 @@ def run_config(max_steps: int = 4, delay: float = 0.0, rewards: list | None = No
     return config
 
 
-def embedded_cluster(tmp_path: Path) -> Cluster:
+def embedded_cluster(tmp_path: Path, artifacts: Path | None = None) -> Cluster:
     """A Cluster on the embedded defaults: SQLite store and broker files, artifacts, all in one COLLAGE_HOME."""
     from collage.app.db import upgrade
 
@@ -197,7 +197,7 @@ def embedded_cluster(tmp_path: Path) -> Cluster:
     home.mkdir()
     database = f"sqlite:///{home / 'collage.db'}"
     upgrade(database)
-    return Cluster(database, f"sqla+sqlite:///{home / 'broker.db'}", home, home / "artifacts")
+    return Cluster(database, f"sqla+sqlite:///{home / 'broker.db'}", home, artifacts or home / "artifacts")
 
 
 @pytest.fixture

@@ -50,15 +50,20 @@ def space(path: Path) -> Space:
 
 
 class DiskFull(CollageError):
-    """A write failed because the file system holding ``path`` is full."""
+    """A write failed because the file system holding ``where`` is full; ``free``: what is left there, when
+    known (:meth:`at` measures it for a local path)."""
 
     exit_code = 1
 
-    def __init__(self, path: Path | str, what: str, free: Space | None = None):
-        self.path = Path(path)
-        self.free = free if free is not None else space_or_none(self.path)
-        left = f" ({self.free})" if self.free is not None else ""
-        super().__init__(f"no space left on device: {what} {self.path}{left}; free some space, then resume the run")
+    def __init__(self, where: Path | str, what: str, free: Space | None = None):
+        self.where = str(where)
+        self.free = free
+        left = f" ({free})" if free is not None else ""
+        super().__init__(f"no space left on device: {what} {self.where}{left}; free some space, then resume the run")
+
+    @classmethod
+    def at(cls, path: Path | str, what: str) -> DiskFull:
+        return cls(path, what, space_or_none(Path(path)))
 
 
 def space_or_none(path: Path) -> Space | None:
@@ -101,4 +106,4 @@ def as_disk_full(exc: BaseException, fallback: Path) -> DiskFull | None:
     if isinstance(found, DiskFull):
         return found
     path = Path(found.filename) if isinstance(found, OSError) and found.filename else fallback
-    return DiskFull(path, "writing")
+    return DiskFull.at(path, "writing")

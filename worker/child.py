@@ -21,6 +21,7 @@ from pathlib import Path
 from collage.training.callbacks import Callback
 
 EXIT_FAILED = 3
+EXIT_STORE_FULL = 5  # the run failed and the store's disk is too full to record it
 NICE_ENV = "COLLAGE_TRAIN_NICE"  # the CPU priority (nice value) the supervisor asks the training to run at
 
 
@@ -101,7 +102,7 @@ def main(run_id: str, attempt: int) -> int:
     from collage.app.store.writer import StaleAttempt, StoreWriter
     from collage.app.trust import config_violations
     from collage.training.config import parse_config
-    from collage.training.diskspace import as_disk_full
+    from collage.training.diskspace import DiskFull, as_disk_full
     from collage.training.trainer import Trainer, TrainingError
 
     from .store_callback import EXIT_STALE, StoreCallback
@@ -117,7 +118,11 @@ def main(run_id: str, attempt: int) -> int:
 
     def fail(error: str, message: str) -> int:
         if rank == 0:
-            store.transition(run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=error, message=message)
+            try:
+                store.transition(run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=error, message=message)
+            except DiskFull as full:  # the store cannot take even this: the supervisor records it once it can
+                print(f"run {run_id}: {message}\n{full}", file=sys.stderr)
+                return EXIT_STORE_FULL
         return EXIT_FAILED
 
     with Session(engine) as session:

@@ -23,16 +23,19 @@ from sqlmodel import Session
 
 from collage.app.models import Run
 from collage.app.status import ACTIVE, ENDED, RunStatus
+from collage.app.store.diskfull import store_disk_full
 from collage.app.store.writer import StaleAttempt, StoreWriter
+from collage.training.diskspace import DiskFull
 from collage.training.errors import CollageError
 
-from .child import NICE_ENV
+from .child import EXIT_STORE_FULL, NICE_ENV
 from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded
 
 log = logging.getLogger("collage.worker")
 
 READY_ENV = "COLLAGE_CHILD_READY_FILE"  # the child touches this file once its own heartbeat runs
 EXIT_GRACE = 10.0  # seconds a child whose run has ended may take to exit before it is killed
+STORE_FULL_RETRY = 2.0  # seconds between tries to record a run's end in a store whose disk is full
 
 
 @dataclass
@@ -80,6 +83,35 @@ def child_command(run: Run, slot: Slot, nice: int = 0) -> tuple[list[str], dict[
 
 class SlotTooSmall(CollageError, RuntimeError):
     pass
+
+
+def _record_end(
+    writer: StoreWriter,
+    run_id: str,
+    attempt: int,
+    ended: RunStatus,
+    error: str | None,
+    message: str,
+    stop: StopFlag | None,
+) -> str | None:
+    """Record how a run whose training process is gone ended. A store whose disk is full cannot take it now:
+    the first failure's words (the store's path and the space left) are kept, and the write is tried again
+    every few seconds until it goes through (someone freed space), the attempt stops being current, or the
+    worker stops."""
+    full: DiskFull | None = None
+    while True:
+        try:
+            writer.transition(run_id, ACTIVE, ended, when_attempt=attempt, error=error, message=message[:500])
+            return ended
+        except DiskFull as exc:
+            if full is None:
+                full = exc
+                ended, error, message = RunStatus.FAILED, str(exc), f"failed: {exc}"
+                log.error("run %s: %s; recording its end once the store can take it", run_id, exc)
+        state = writer.run_state(run_id)  # reads need no space
+        if state is None or state[1] != attempt or state[0] not in ACTIVE or (stop is not None and stop.requested):
+            return None
+        time.sleep(STORE_FULL_RETRY)
 
 
 def _training_processes(proc: subprocess.Popen) -> list[int]:
@@ -242,14 +274,9 @@ def _watch(
         # the child died without saying how it ended
         reason = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         ended = RunStatus.CANCELLED if state[0] == RunStatus.CANCELLING else RunStatus.FAILED
-        writer.transition(
-            run_id,
-            ACTIVE,
-            ended,
-            when_attempt=attempt,
-            error=None if ended == RunStatus.CANCELLED else f"the training process {reason}",
-            message=f"{ended}: the training process {reason}",
-        )
-        return ended
+        error = None if ended == RunStatus.CANCELLED else f"the training process {reason}"
+        if code == EXIT_STORE_FULL:  # it failed, and could not say so: the store's disk is full
+            ended, error = RunStatus.FAILED, str(store_disk_full(writer.engine))
+        return _record_end(writer, run_id, attempt, ended, error, f"{ended}: {error or reason}", stop)
     log.info("run %s attempt %s ended %s", run_id, attempt, state)
     return state[0] if state is not None and state[1] == attempt else None
