@@ -44,9 +44,17 @@ def _store_takes_a_write_at_once(database: Path) -> None:
 
 def test_two_sigterms_in_quick_succession_stop_the_worker_once_with_a_checkpoint(embedded):
     cluster = embedded
+    cluster.env["COLLAGE_TRAIN_NICE"] = "7"
     worker = cluster.start_worker("w1")
     run_id = cluster.submit(max_steps=40, delay=0.4)
     cluster.wait_step(run_id, 2)
+    # the training runs at the asked CPU priority, its session's autogroup too (Linux weighs nice values only
+    # within an autogroup)
+    child = int(subprocess.run(["pgrep", "-f", f"collage.worker.child {run_id}"], capture_output=True,
+                               text=True).stdout.split()[0])  # fmt: skip
+    assert os.getpriority(os.PRIO_PROCESS, child) == 7
+    autogroup = Path(f"/proc/{child}/autogroup")
+    assert not autogroup.exists() or autogroup.read_text().split()[-1] == "7", autogroup.read_text()
     # two SIGTERMs, the second while the first one's shutdown is under way (a supervisor and `kill` both
     # stopping it, or serve's parent-death signal and its watcher), then a burst
     worker.send_signal(signal.SIGTERM)

@@ -44,14 +44,25 @@ class StopOnSignal(Callback):
 
 def lower_priority() -> None:
     """Run at the nice value the worker asked for (``COLLAGE_TRAIN_NICE``), before any thread exists, so every
-    thread (torch's included) inherits it: the web app on the same machine keeps its CPU share."""
+    thread (torch's included) inherits it: the web app on the same machine keeps its CPU share.
+
+    The child leads its own session, and Linux with autogroup scheduling (the default on most distributions)
+    shares the CPU between sessions first and weighs nice values only within one: so the session's autogroup
+    gets the nice value too (``/proc/self/autogroup``), else a nice training would still take its session's
+    full share from the web app."""
     wanted = os.environ.get(NICE_ENV)
-    if not wanted:
+    if not wanted or int(wanted) == 0:
         return
     try:
         os.setpriority(os.PRIO_PROCESS, 0, int(wanted))
     except (OSError, ValueError) as exc:  # raising priority needs privileges: run at the one we have
         print(f"could not set the training's nice value to {wanted}: {exc}", file=sys.stderr)
+    autogroup = Path("/proc/self/autogroup")
+    if autogroup.exists():
+        try:
+            autogroup.write_text(wanted)
+        except OSError as exc:
+            print(f"could not set the training's autogroup nice value to {wanted}: {exc}", file=sys.stderr)
 
 
 def die_with_parent() -> None:

@@ -273,10 +273,12 @@ def _watch(
     if state is not None and state[1] == attempt and state[0] in ACTIVE:
         # the child died without saying how it ended
         reason = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        ended = RunStatus.CANCELLED if state[0] == RunStatus.CANCELLING else RunStatus.FAILED
+        ended = RunStatus.CANCELLED if state[0] == RunStatus.CANCELLING or stopping else RunStatus.FAILED
         error = None if ended == RunStatus.CANCELLED else f"the training process {reason}"
+        message = f"{ended}: the training process {reason}"
         if code == EXIT_STORE_FULL:  # it failed, and could not say so: the store's disk is full
             ended, error = RunStatus.FAILED, str(store_disk_full(writer.engine))
-        return _record_end(writer, run_id, attempt, ended, error, f"{ended}: {error or reason}", stop)
+            message = f"failed: {error}"
+        return _record_end(writer, run_id, attempt, ended, error, message, stop)
     log.info("run %s attempt %s ended %s", run_id, attempt, state)
     return state[0] if state is not None and state[1] == attempt else None
