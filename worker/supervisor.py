@@ -54,12 +54,10 @@ def claim(writer: StoreWriter, run_id: str, worker: str) -> Run | None:
         return session.get(Run, run_id)
 
 
-def child_command(run: Run, slot: Slot, nice: int = 0) -> tuple[list[str], dict[str, str], str | None]:
-    """The training command for this slot, its environment, and a warning worth recording (or ``None``).
-    ``nice``: the CPU priority the training runs at (the child applies it before it starts any thread)."""
+def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str | None]:
+    """The training command for this slot, its environment, and a warning worth recording (or ``None``)."""
     wanted = int(run.config.get("resources", {}).get("gpus", 1))
     env = dict(os.environ)
-    env[NICE_ENV] = str(nice)
     single = [sys.executable, "-m", "collage.worker.child", run.id, str(run.attempt)]
     if wanted == 0:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -193,12 +191,13 @@ def run_claimed(
     run_id, attempt = run.id, run.attempt
     mine = writer.for_attempt(run_id, attempt)
     try:
-        cmd, env, warning = child_command(run, slot, nice)
+        cmd, env, warning = child_command(run, slot)
     except SlotTooSmall as exc:
         writer.transition(
             run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=str(exc), message=f"failed: {exc}"
         )
         return RunStatus.FAILED
+    env[NICE_ENV] = str(nice)  # the child applies it before it starts any thread
     if warning:
         mine.add_event(run_id, "warning", warning)
     with tempfile.TemporaryDirectory(prefix="collage-child-") as tmp:
