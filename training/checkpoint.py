@@ -9,6 +9,7 @@ Checkpoint folders are 0700 and their files 0600, whatever the process's umask.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import random
@@ -155,8 +156,10 @@ def _safe_globals() -> list[Any]:
     from .callbacks import RolloutImage, RolloutRow
     from .trainer import GenerationBatch
 
+    reconstruct = importlib.import_module("numpy._core.multiarray")._reconstruct  # how numpy 2 pickles an array
+
     numpy_state = [  # np.random.get_state(): ("MT19937", uint32 array, pos, has_gauss, cached_gaussian)
-        np._core.multiarray._reconstruct,
+        reconstruct,
         np.ndarray,
         np.dtype,
         np.dtypes.UInt32DType,

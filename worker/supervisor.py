@@ -115,7 +115,7 @@ def _record_end(
 def _training_processes(proc: subprocess.Popen) -> list[int]:
     """The processes that train: the child itself, or, under ``accelerate launch``, its ranks (the launcher
     would answer SIGTERM by killing them before they checkpoint)."""
-    if "accelerate.commands.launch" not in proc.args:
+    if not (isinstance(proc.args, list) and "accelerate.commands.launch" in proc.args):
         return [proc.pid]
     ranks = []
     for task in Path(f"/proc/{proc.pid}/task").glob("*"):
