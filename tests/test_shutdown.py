@@ -19,7 +19,7 @@ from sqlmodel import Session
 
 from collage.app.models import Checkpoint
 
-from .test_workers import API, ROOT, _alive, _children_of, embedded_cluster, free_port, serve_env
+from .test_workers import API, ROOT, _alive, _children_of, embedded_cluster, free_port, serve_env, wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc: Linux")
 
@@ -96,36 +96,26 @@ def _serve(tmp_path: Path, workers: int) -> tuple[subprocess.Popen, str, dict[st
     return serve, f"http://127.0.0.1:{port}", env, log
 
 
-def _wait(predicate, timeout: float, what: str, log: Path):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{log.read_text()[-3000:]}")
-
-
 def test_serve_killed_with_sigkill_takes_a_restarted_embedded_worker_with_it(tmp_path):
     """An embedded worker that died is restarted by serve (from serve's pool thread, not its main thread);
     after `kill -9` of serve the restarted one, and the first, are gone within a liveness timeout."""
     serve, base, _, log = _serve(tmp_path, workers=2)
     try:
         token_file = tmp_path / "home" / "token"
-        token = _wait(lambda: token_file.exists() and token_file.read_text().strip(), 90, "the token", log)
+        token = wait_for(lambda: token_file.exists() and token_file.read_text().strip(), 90, "the token", [log])
         headers = {"Authorization": f"Bearer {token}"}
-        _wait(lambda: len(_worker_pids(base, headers)) == 2, 90, "two embedded workers", log)
+        wait_for(lambda: len(_worker_pids(base, headers)) == 2, 90, "two embedded workers", [log])
         first = _children_of(serve.pid)
         assert len(first) == 2
         os.kill(first[0], signal.SIGKILL)
-        restarted = _wait(lambda: [p for p in _children_of(serve.pid) if p not in first], 30, "a restart", log)
+        restarted = wait_for(lambda: [p for p in _children_of(serve.pid) if p not in first], 30, "a restart", [log])
         # the restarted worker is up (its Celery consumer and its parent watch both running) before serve dies
-        _wait(lambda: str(restarted[0]) in _worker_pids(base, headers), 90, "it to register", log)
+        wait_for(lambda: str(restarted[0]) in _worker_pids(base, headers), 90, "it to register", [log])
     finally:
         serve.send_signal(signal.SIGKILL)
         serve.wait()
     everyone = [first[1], *restarted]
-    _wait(lambda: not [p for p in everyone if _alive(p)], 60, "every embedded worker to exit", log)
+    wait_for(lambda: not [p for p in everyone if _alive(p)], 60, "every embedded worker to exit", [log])
 
 
 def _worker_pids(base: str, headers: dict[str, str]) -> list[str]:

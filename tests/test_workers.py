@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,18 @@ def redis_server(tmp_path_factory):
 def shared_home(tmp_path_factory):
     """One COLLAGE_HOME for the module: tiny models and synthetic data are built once, by the first run."""
     return tmp_path_factory.mktemp("collage-home")
+
+
+def wait_for(predicate, timeout: float, what: str, logs: Sequence[Path] = ()):
+    """``predicate()``'s first truthy value within ``timeout`` seconds; else fail, with the logs' tails."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tails}")
 
 
 class Cluster:
@@ -147,14 +160,7 @@ class Cluster:
         return self.client.get(f"{API}/runs/{run_id}").json()
 
     def wait(self, predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.2)
-        logs = "\n".join(f"--- {n}\n{p.read_text()[-3000:]}" for n, p in self.logs.items() if p.exists())
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+        return wait_for(predicate, timeout, what, list(self.logs.values()))
 
     def wait_status(self, run_id: str, statuses: tuple[str, ...], timeout: float = 240) -> dict:
         return self.wait(

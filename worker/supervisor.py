@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlmodel import Session
 
@@ -156,23 +157,14 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def supervise(
-    writer: StoreWriter,
-    run_id: str,
-    worker: str,
-    slot: Slot,
-    cancel_grace: float = 60.0,
-    heartbeat_every: float = 5.0,
-    poll: float = 0.5,
-    stop: StopFlag | None = None,
-    nice: int = 0,
-) -> str | None:
-    """Claim ``run_id`` and run it to its end; returns its final status (``None`` if the run was not claimed)."""
+def supervise(writer: StoreWriter, run_id: str, worker: str, slot: Slot, **options: Any) -> str | None:
+    """Claim ``run_id`` and run it to its end (``options``: those of :func:`run_claimed`); returns its final
+    status (``None`` if the run was not claimed)."""
     run = claim(writer, run_id, worker)
     if run is None:
         log.info("run %s is not queued (already claimed, cancelled or deleted): nothing to do", run_id)
         return None
-    return run_claimed(writer, run, worker, slot, cancel_grace, heartbeat_every, poll, stop, nice)
+    return run_claimed(writer, run, worker, slot, **options)
 
 
 def run_claimed(
