@@ -404,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from collage.training.private import private_umask
+
+    private_umask()  # everything collage writes (store, runs, checkpoints, caches) is its owner's alone
     args = build_parser().parse_args(argv)
     from collage.training.config import ConfigError
     from collage.training.errors import CollageError

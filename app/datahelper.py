@@ -223,6 +223,9 @@ def _import_light() -> None:
 
 
 def main() -> int:
+    from collage.training.private import private_umask
+
+    private_umask()  # the preview images it writes into the artifacts are private
     idle = float(os.environ.get(IDLE_ENV, DEFAULT_IDLE))
     _import_light()
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")

@@ -97,13 +97,12 @@ class WorkerPool(threading.Thread):
         self.stopping = threading.Event()
 
     def _spawn(self, name: str) -> None:
-        # the worker ends when `collage serve` does, even on kill -9 of serve: the kernel signals it
-        # (PR_SET_PDEATHSIG), and the worker also watches COLLAGE_PARENT_PID where that is not available
+        # the worker ends when `collage serve` does, even on kill -9 of serve: seeing COLLAGE_PARENT_PID, it asks
+        # the kernel for SIGTERM on serve's death (PR_SET_PDEATHSIG, set by the worker itself after exec: a
+        # preexec_fn may deadlock in a fork from this threaded process) and also watches for it
         env = {**os.environ, "COLLAGE_PARENT_PID": str(os.getpid())}
         self.children[name] = subprocess.Popen(
-            [sys.executable, "-m", "collage.app.cli", "worker", "--quiet", "--name", name],
-            env=env,
-            preexec_fn=_term_with_parent,
+            [sys.executable, "-m", "collage.app.cli", "worker", "--quiet", "--name", name], env=env
         )
 
     def start(self) -> None:
@@ -130,18 +129,6 @@ class WorkerPool(threading.Thread):
     def stop(self, grace: float) -> None:
         self.stopping.set()
         _stop(list(self.children.values()), grace)
-
-
-def _term_with_parent() -> None:
-    """In the forked child, before exec: SIGTERM when the parent dies (Linux). SIGTERM, not SIGKILL, so the
-    worker still asks its run to checkpoint and kills its training child before it exits."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def _stop(children: list[subprocess.Popen], grace: float) -> None:

@@ -30,6 +30,9 @@ ENV_VARS = (
     "COLLAGE_PREVIEW_MAX_IMAGES",
     "COLLAGE_PREVIEW_MAX_BYTES",
     "COLLAGE_DB_LOCK_TIMEOUT",
+    "COLLAGE_TRAIN_NICE",
+    "COLLAGE_REQUEUE_AFTER",
+    "COLLAGE_MIN_FREE_DISK_MB",
 )
 
 
@@ -40,6 +43,22 @@ def _names(value: str | None) -> tuple[str, ...]:
 def _paths(value: str | None) -> tuple[Path, ...]:
     # os.pathsep-separated like PATH (a comma may be part of a folder name)
     return tuple(Path(v).expanduser() for v in (value or "").split(os.pathsep) if v.strip())
+
+
+EMBEDDED_TRAIN_NICE = 10
+
+
+def _nice(value: str | None) -> int | None:
+    """COLLAGE_TRAIN_NICE: unset or empty means the default for the kind of worker."""
+    if value is None or not value.strip():
+        return None
+    try:
+        nice = int(value)
+    except ValueError:
+        raise ValueError(f"COLLAGE_TRAIN_NICE: {value!r} is not a whole number (a nice value, 0 to 19)") from None
+    if not 0 <= nice <= 19:
+        raise ValueError(f"COLLAGE_TRAIN_NICE: {nice} is out of range (a nice value, 0 to 19)")
+    return nice
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,17 @@ class Settings:
     preview_max_bytes: int = 256 << 20  # bytes of image data one preview reads and decodes
     # seconds a web request waits for a lock on the store (another process's write) before it answers 503
     db_lock_timeout: float = 10.0
+    # --- workers and faults (issue 17) ---
+    # the training's nice value; None: 10 under `collage serve` (the web app on the same CPUs stays responsive),
+    # 0 for `collage worker` (a dedicated training host)
+    train_nice: int | None = None
+    requeue_after: float = 60.0  # a run queued this long without a message in the broker is sent again
+    min_free_disk_mb: int = 1024  # /health reports a disk (home, artifacts, SQLite store) with less free as low
+
+    def training_nice(self, embedded: bool) -> int:
+        if self.train_nice is not None:
+            return self.train_nice
+        return EMBEDDED_TRAIN_NICE if embedded else 0
 
     def allowed_data_roots(self) -> tuple[Path, ...]:
         return self.data_roots or (self.home,)
@@ -102,6 +132,9 @@ class Settings:
             preview_max_images=int(os.environ.get("COLLAGE_PREVIEW_MAX_IMAGES", 320)),
             preview_max_bytes=int(os.environ.get("COLLAGE_PREVIEW_MAX_BYTES", 256 << 20)),
             db_lock_timeout=float(os.environ.get("COLLAGE_DB_LOCK_TIMEOUT", 10.0)),
+            train_nice=_nice(os.environ.get("COLLAGE_TRAIN_NICE")),
+            requeue_after=float(os.environ.get("COLLAGE_REQUEUE_AFTER", 60.0)),
+            min_free_disk_mb=int(os.environ.get("COLLAGE_MIN_FREE_DISK_MB", 1024)),
         )
 
 

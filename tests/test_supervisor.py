@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,15 @@ def test_a_slot_too_small_is_a_clear_error():
 def test_a_gpu_run_on_a_cpu_worker_trains_on_cpu_with_a_warning():
     cmd, env, warning = child_command(_run(1), Slot(gpus=[]))
     assert env["CUDA_VISIBLE_DEVICES"] == "" and "no GPU slot: training on the CPU" in warning
+
+
+def test_the_training_nice_value_defaults_by_kind_of_worker():
+    """(The child running at it, autogroup included, is checked with real processes in test_shutdown.)"""
+    from collage.app.settings import Settings
+
+    settings = Settings(home=Path("/h"), database_url="sqlite://", broker_url="memory://", artifacts=Path("/a"))
+    assert settings.training_nice(embedded=True) == 10, "under collage serve the web app keeps its CPU share"
+    assert settings.training_nice(embedded=False) == 0, "collage worker: a training host of its own"
+    pinned = Settings(home=Path("/h"), database_url="sqlite://", broker_url="memory://", artifacts=Path("/a"),
+                      train_nice=3)  # fmt: skip
+    assert pinned.training_nice(embedded=True) == pinned.training_nice(embedded=False) == 3

@@ -8,10 +8,12 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,18 @@ def redis_server(tmp_path_factory):
 def shared_home(tmp_path_factory):
     """One COLLAGE_HOME for the module: tiny models and synthetic data are built once, by the first run."""
     return tmp_path_factory.mktemp("collage-home")
+
+
+def wait_for(predicate, timeout: float, what: str, logs: Sequence[Path] = ()):
+    """``predicate()``'s first truthy value within ``timeout`` seconds; else fail, with the logs' tails."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tails}")
 
 
 class Cluster:
@@ -146,14 +160,7 @@ class Cluster:
         return self.client.get(f"{API}/runs/{run_id}").json()
 
     def wait(self, predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.2)
-        logs = "\n".join(f"--- {n}\n{p.read_text()[-3000:]}" for n, p in self.logs.items() if p.exists())
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+        return wait_for(predicate, timeout, what, list(self.logs.values()))
 
     def wait_status(self, run_id: str, statuses: tuple[str, ...], timeout: float = 240) -> dict:
         return self.wait(
@@ -186,6 +193,24 @@ def run_config(max_steps: int = 4, delay: float = 0.0, rewards: list | None = No
     }  # fmt: skip
     config.update(changes)
     return config
+
+
+def embedded_cluster(tmp_path: Path, artifacts: Path | None = None) -> Cluster:
+    """A Cluster on the embedded defaults: SQLite store and broker files, artifacts, all in one COLLAGE_HOME."""
+    from collage.app.db import upgrade
+
+    home = tmp_path / "home"
+    home.mkdir()
+    database = f"sqlite:///{home / 'collage.db'}"
+    upgrade(database)
+    return Cluster(database, f"sqla+sqlite:///{home / 'broker.db'}", home, artifacts or home / "artifacts")
+
+
+@pytest.fixture
+def embedded(tmp_path):
+    c = embedded_cluster(tmp_path)
+    yield c
+    c.stop_all()
 
 
 @pytest.fixture
@@ -395,6 +420,10 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert bad.returncode == 1 and "failed" in bad.stdout
+        # the dataset helper writes preview images into the artifacts too
+        preview = httpx.get(f"http://127.0.0.1:{port}{API}/datasets/preview", headers=headers, timeout=120,
+                            params={"source": "synth:count-red", "dataset_rows": 8, "min_images": 1})  # fmt: skip
+        assert preview.status_code == 200 and preview.json()["rows"][0]["images"], preview.text
     finally:
         os.killpg(serve.pid, signal.SIGINT)
         try:
@@ -404,6 +433,21 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
             raise
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "home")], capture_output=True, text=True).stdout
     assert serve.returncode == 0 and not leftovers.strip(), log.read_text()[-2000:]
+    # everything serve, its worker, the training child and the dataset helper wrote under COLLAGE_HOME (store,
+    # broker, run folders, checkpoints, rollout and preview images, caches) is its owner's alone
+    home = tmp_path / "home"
+    assert list(home.rglob("trainer_state.pt")) and list(home.rglob("*.png"))
+    assert not _not_private(home), _not_private(home)
+
+
+def _not_private(root: Path) -> dict[str, str]:
+    """Paths under ``root`` whose group or others have any permission (symbolic links aside)."""
+    found = {}
+    for path in [root, *root.rglob("*")]:
+        mode = path.lstat().st_mode
+        if not stat.S_ISLNK(mode) and stat.S_IMODE(mode) & 0o077:
+            found[str(path.relative_to(root))] = oct(stat.S_IMODE(mode))
+    return found
 
 
 def test_runs_go_to_the_queue_their_config_names(cluster):
@@ -558,3 +602,42 @@ def test_a_run_survives_twenty_dropped_database_connections_in_fifteen_seconds(c
     assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
     assert _metric_steps(cluster, run_id) == list(range(1, 15))
     assert cluster.count(Sample, Sample.run_id == run_id) == 14 * 8
+
+
+# ------------------------------------------------------------------------------------ lost broker messages
+def _lose_messages(c: Cluster, server: RedisServer | None = None) -> None:
+    """Every message waiting in the default queue is gone, as after a Redis restart without persistence."""
+    if server is not None:
+        import redis
+
+        assert redis.Redis(port=server.port).delete("default") == 1
+        return
+    broker = c.settings.broker_url.removeprefix("sqla+sqlite:///")
+    with sqlite3.connect(broker) as connection:
+        assert connection.execute("DELETE FROM kombu_message WHERE visible = 1").rowcount == 1
+
+
+def _lost_message_is_sent_again(cluster: Cluster, lose) -> None:
+    lost = cluster.submit(max_steps=1, name="lost")
+    lose()
+    later = cluster.submit(max_steps=1, name="later")  # its message is live: on main it ran, `lost` never did
+    cluster.env["COLLAGE_REQUEUE_AFTER"] = "1"
+    cluster.start_worker("w1")
+    for run_id in (lost, later):
+        run = cluster.wait_status(run_id, ("succeeded", "failed"), timeout=240)
+        assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
+        starts = [m for m in cluster.events(run_id) if m.startswith("status: running on")]
+        assert len(starts) == 1, (run_id, starts)  # exactly once
+        assert _metric_steps(cluster, run_id) == [1]
+    # the older run kept its place: it started first, although the broker held only the later one's message
+    assert cluster.run(lost)["started_at"] < cluster.run(later)["started_at"]
+    resent = [m for r in (lost, later) for m in cluster.events(r) if "sent again" in m]
+    assert resent, "the reconciliation re-sent the missing message"
+
+
+def test_a_run_whose_redis_message_was_lost_is_sent_again_and_runs_once_in_order(cluster, redis_server):
+    _lost_message_is_sent_again(cluster, lambda: _lose_messages(cluster, redis_server))
+
+
+def test_a_run_whose_sqlite_broker_message_was_lost_is_sent_again_and_runs_once_in_order(embedded):
+    _lost_message_is_sent_again(embedded, lambda: _lose_messages(embedded))

@@ -1,8 +1,17 @@
-"""Checkpoints: model (or LoRA adapter) + optimizer + scheduler + RNG + trainer state, written atomically."""
+"""Checkpoints: model (or LoRA adapter) + optimizer + scheduler + RNG + trainer state, written atomically.
+
+The trainer state is read back with ``torch.load(weights_only=True)``: an unpickler that builds tensors,
+containers and plain values and, beyond those, only the few types listed in :data:`SAFE_GLOBALS` (the generation
+buffer's dataclasses, numpy's RNG state, rollout images as raw pixels). A ``trainer_state.pt`` that names
+anything else (a pickle that would run code) is refused with :class:`CheckpointRefused`, before any of it runs.
+Checkpoint folders are 0700 and their files 0600, whatever the process's umask.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
 import random
 import re
 import shutil
@@ -11,8 +20,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
+
+from .diskspace import DiskFull, full_disk_error, space_or_none
+from .errors import CollageError
+from .private import private_dir, private_tree
 
 STATE_FILE = "trainer_state.pt"
+FULL_BELOW = 1 << 20  # a write that failed with less than this left on its file system failed for lack of space
 
 
 def rng_state() -> dict[str, Any]:
@@ -46,25 +61,126 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+# ------------------------------------------------------------------------------------------------- writing
+def _image_from_pixels(mode: str, size: tuple[int, int], pixels: bytes, palette: list[int] | None) -> Image.Image:
+    """A rollout image as a checkpoint stores it: raw pixels (no file format, no plugin, no metadata)."""
+    image = Image.frombytes(mode, size, pixels)
+    if palette:
+        image.putpalette(palette)
+    return image
+
+
+class _StatePickler(pickle.Pickler):
+    """Pickles a PIL image (a rollout row's, in the generation buffer) as its raw pixels, so loading it needs
+    nothing but :func:`_image_from_pixels` (instead of a PIL plugin class and its metadata)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Image.Image):
+            return _image_from_pixels, (obj.mode, obj.size, obj.tobytes(), obj.getpalette())
+        return NotImplemented
+
+
+class _PickleModule:
+    """``torch.save``'s ``pickle_module``: the standard pickle, with :class:`_StatePickler`."""
+
+    Pickler = _StatePickler
+    Unpickler = pickle.Unpickler
+    dump, dumps, load, loads = pickle.dump, pickle.dumps, pickle.load, pickle.loads
+
+
 def save_checkpoint(
     out: Path, step: int, model: Any, processor: Any, state: dict[str, Any], rank_rng: list[dict[str, Any]]
 ) -> Path:
-    """Write ``checkpoints/step-<step>/`` via a temporary folder, so a crash never leaves half a checkpoint."""
+    """Write ``checkpoints/step-<step>/`` via a temporary folder, so a crash never leaves half a checkpoint.
+
+    A write that fails removes the temporary folder; one that failed because the disk is full raises
+    :class:`DiskFull` naming the checkpoint and the space left."""
     final = checkpoint_dir(out, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model")
-    processor.save_pretrained(tmp / "model")
-    torch.save({**state, "rng": rank_rng}, tmp / STATE_FILE)
+    try:
+        private_dir(final.parent)
+        private_dir(tmp)
+        model.save_pretrained(tmp / "model")
+        processor.save_pretrained(tmp / "model")
+        # through a Python file: a full disk is then an OSError (ENOSPC), not torch's "iostream error"
+        with open(tmp / STATE_FILE, "wb") as fh:
+            torch.save({**state, "rng": rank_rng}, fh, pickle_module=_PickleModule)
+        private_tree(tmp)  # what transformers and safetensors wrote follows the umask; the checkpoint does not
+    except BaseException as exc:
+        left = space_or_none(final.parent)  # before the partial folder is removed: the space the write found
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full_disk_error(exc) is not None or (left is not None and left.free < FULL_BELOW):
+            raise DiskFull(final, "writing the checkpoint", left) from exc
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
 
 
+# ------------------------------------------------------------------------------------------------- reading
+class CheckpointRefused(CollageError, ValueError):
+    """A checkpoint's trainer state holds something a Collage checkpoint never holds."""
+
+
+class _PickledImage(Image.Image):
+    """Stands in, when loading, for the PIL image classes a checkpoint written before rollout images were stored
+    as raw pixels may name: it restores the pickled pixels (``Image.__setstate__``: mode, size, palette, raw
+    bytes) and nothing else; called with arguments it raises, so a pickle cannot make it open a file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def __setstate__(self, state: list[Any]) -> None:
+        Image.Image.__setstate__(self, list(state[:5]))
+
+
+# the raster formats Collage reads (what PIL.Image.open gave an older checkpoint's rollout images)
+_LEGACY_IMAGE_CLASSES = (
+    "PIL.Image.Image",
+    "PIL.PngImagePlugin.PngImageFile",
+    "PIL.JpegImagePlugin.JpegImageFile",
+    "PIL.MpoImagePlugin.MpoImageFile",
+    "PIL.WebPImagePlugin.WebPImageFile",
+    "PIL.GifImagePlugin.GifImageFile",
+    "PIL.BmpImagePlugin.BmpImageFile",
+    "PIL.TiffImagePlugin.TiffImageFile",
+)
+
+
+def _safe_globals() -> list[Any]:
+    """Everything a trainer state holds beyond tensors, containers and plain values. Imported here, not at the
+    top: the trainer imports this module."""
+    from .batching.inputs import ModelBatch
+    from .callbacks import RolloutImage, RolloutRow
+    from .trainer import GenerationBatch
+
+    reconstruct = importlib.import_module("numpy._core.multiarray")._reconstruct  # how numpy 2 pickles an array
+
+    numpy_state = [  # np.random.get_state(): ("MT19937", uint32 array, pos, has_gauss, cached_gaussian)
+        reconstruct,
+        np.ndarray,
+        np.dtype,
+        np.dtypes.UInt32DType,
+    ]
+    images = [_image_from_pixels, *((_PickledImage, name) for name in _LEGACY_IMAGE_CLASSES)]
+    return [*numpy_state, GenerationBatch, ModelBatch, RolloutRow, RolloutImage, *images]
+
+
 def load_state(path: Path) -> dict[str, Any]:
-    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    """The trainer state of the checkpoint folder ``path``; :class:`CheckpointRefused` if it holds anything
+    else (nothing of such a file is run: the unpickler refuses it before building it)."""
+    file = path / STATE_FILE
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointRefused(
+            f"{file}: refused to load this checkpoint: it holds something a Collage checkpoint never holds, so it "
+            f"was not written by Collage or was changed since ({first[:300]})"
+        ) from None
 
 
 def load_model_weights(model: Any, path: Path, uses_lora: bool) -> None:

@@ -18,7 +18,51 @@ import sys
 import traceback
 from pathlib import Path
 
+from collage.training.callbacks import Callback
+
 EXIT_FAILED = 3
+EXIT_STORE_FULL = 5  # the run failed and the store's disk is too full to record it
+NICE_ENV = "COLLAGE_TRAIN_NICE"  # the CPU priority (nice value) the supervisor asks the training to run at
+
+
+class StopOnSignal(Callback):
+    """SIGTERM asks the training to checkpoint and stop, like a cancel: the handler only raises this flag, which
+    the trainer polls once per step (as a callback's ``should_stop``)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, _signum: int, _frame: object) -> None:
+        self.requested = True
+
+    def should_stop(self) -> bool:
+        return self.requested
+
+
+def lower_priority() -> None:
+    """Run at the nice value the worker asked for (``COLLAGE_TRAIN_NICE``), before any thread exists, so every
+    thread (torch's included) inherits it: the web app on the same machine keeps its CPU share.
+
+    The child leads its own session, and Linux with autogroup scheduling (the default on most distributions)
+    shares the CPU between sessions first and weighs nice values only within one: so the session's autogroup
+    gets the nice value too (``/proc/self/autogroup``), else a nice training would still take its session's
+    full share from the web app."""
+    wanted = os.environ.get(NICE_ENV)
+    if not wanted or int(wanted) == 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, int(wanted))
+    except (OSError, ValueError) as exc:  # raising priority needs privileges: run at the one we have
+        print(f"could not set the training's nice value to {wanted}: {exc}", file=sys.stderr)
+    autogroup = Path("/proc/self/autogroup")
+    if autogroup.exists():
+        try:
+            autogroup.write_text(wanted)
+        except OSError as exc:
+            print(f"could not set the training's autogroup nice value to {wanted}: {exc}", file=sys.stderr)
 
 
 def die_with_parent() -> None:
@@ -53,7 +97,13 @@ def link_checkpoint(out: Path, checkpoint: Path) -> None:
 
 
 def main(run_id: str, attempt: int) -> int:
+    stop_signal = StopOnSignal()
+    stop_signal.install()  # first: a SIGTERM from here on checkpoints and stops instead of killing
     die_with_parent()
+    from collage.training.private import private_umask
+
+    private_umask()  # run folders, checkpoints, images: the owner's alone
+    lower_priority()
     from sqlmodel import Session
 
     from collage.app.db import engine_for
@@ -62,8 +112,8 @@ def main(run_id: str, attempt: int) -> int:
     from collage.app.status import ACTIVE, RunStatus
     from collage.app.store.writer import StaleAttempt, StoreWriter
     from collage.app.trust import config_violations
-    from collage.training.callbacks import Callback
     from collage.training.config import parse_config
+    from collage.training.diskspace import DiskFull, as_disk_full
     from collage.training.trainer import Trainer, TrainingError
 
     from .store_callback import EXIT_STALE, StoreCallback
@@ -79,7 +129,11 @@ def main(run_id: str, attempt: int) -> int:
 
     def fail(error: str, message: str) -> int:
         if rank == 0:
-            store.transition(run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=error, message=message)
+            try:
+                store.transition(run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=error, message=message)
+            except DiskFull as full:  # the store cannot take even this: the supervisor records it once it can
+                print(f"run {run_id}: {message}\n{full}", file=sys.stderr)
+                return EXIT_STORE_FULL
         return EXIT_FAILED
 
     with Session(engine) as session:
@@ -114,6 +168,7 @@ def main(run_id: str, attempt: int) -> int:
         work.mkdir(parents=True, exist_ok=True)
         os.chdir(work)
         callbacks: list[Callback] = [callback] if rank == 0 else []
+        callbacks.append(stop_signal)
         if rank == 0 and config.logging.report_to:
             # after the store callback: the run has begun in the store before a tracker can warn about anything
             trackers = TrackersCallback(
@@ -128,7 +183,15 @@ def main(run_id: str, attempt: int) -> int:
             reward_modules=settings.reward_modules,  # () allows no module: only built-ins and operator paths
             data_roots=settings.allowed_data_roots(),  # image paths inside rows stay under the operator's roots
         )
-        result = trainer.train()
+        try:
+            result = trainer.train()
+        except Exception as exc:
+            # a full disk (artifacts, or the store's) ends the run with its path and the space left, not with
+            # whatever the library that hit it calls it ("iostream error", "database or disk is full")
+            full = as_disk_full(exc, settings.artifacts)
+            if full is None:
+                raise
+            raise TrainingError(str(full)) from exc
     except StaleAttempt:
         return EXIT_STALE
     except TrainingError as exc:

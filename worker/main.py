@@ -13,16 +13,17 @@ from celery import signals
 
 from collage.app.db import check_migrated, engine_for
 from collage.app.settings import get_settings
-from collage.app.status import RunStatus
-from collage.app.store.writer import StoreWriter
 from collage.training.data.synth import clean_stale_temp_folders
+
+from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded, die_with_parent
 
 log = logging.getLogger("collage.worker")
 
 
-def watch_parent() -> None:
-    """An embedded worker (started by `collage serve`, which sets COLLAGE_PARENT_PID) stops when serve is gone,
-    even after kill -9 of serve where the kernel's parent-death signal is not available."""
+def watch_parent(stop: StopFlag) -> None:
+    """An embedded worker (started by `collage serve`, which sets COLLAGE_PARENT_PID) stops when serve is gone:
+    the kernel's parent-death signal (asked for at start) and, where that is not available, this watch. Both may
+    fire; the shutdown runs once."""
     parent = os.environ.get("COLLAGE_PARENT_PID")
     if not parent:
         return
@@ -30,8 +31,11 @@ def watch_parent() -> None:
     def watch() -> None:
         while os.getppid() == int(parent):
             time.sleep(1)
+        if stop.requested:
+            return  # the parent-death signal came first
         log.warning("collage serve (pid %s) is gone: stopping this embedded worker", parent)
-        os.kill(os.getpid(), signal.SIGTERM)
+        stop.request(f"collage serve (pid {parent}) is gone")
+        os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown: finish the current task, then exit
 
     threading.Thread(target=watch, name="collage-parent-watch", daemon=True).start()
 
@@ -39,11 +43,15 @@ def watch_parent() -> None:
 def run_worker(
     queues: list[str], gpus: list[int], name: str | None = None, loglevel: str = "INFO", quiet: bool = False
 ) -> None:
+    parent = os.environ.get("COLLAGE_PARENT_PID")
+    if parent:  # an embedded worker of `collage serve`: SIGTERM (a shutdown, with checkpoint) when serve dies
+        die_with_parent(int(parent), signal.SIGTERM)
     settings = get_settings()
     engine = engine_for(settings.database_url)
     check_migrated(engine)
     from . import tasks
     from .celery_app import celery_app
+    from .queueing import Reconciler
     from .reaper import Reaper
     from .registry import Registration
     from .supervisor import Slot
@@ -59,22 +67,18 @@ def run_worker(
     tasks.REGISTRATION = registration
     reaper = Reaper(engine, settings.heartbeat_timeout)
     reaper.start()
+    reconciler = Reconciler(settings, engine, queues)  # runs whose broker message was lost are sent again
+    reconciler.start()
 
-    writer = StoreWriter(engine, settings.artifacts)
+    stop = tasks.STOP
 
     @signals.worker_shutting_down.connect(weak=False)
-    def _on_shutdown(**_kwargs):
-        # a stopping worker asks its run to checkpoint and stop; `resume` continues it later
-        run_id = registration.current_run
-        if run_id is not None:
-            writer.transition(
-                run_id,
-                [RunStatus.RUNNING],
-                RunStatus.CANCELLING,
-                message=f"worker {name} is shutting down: checkpoint, then stop",
-            )
+    def _on_shutdown(sig: str = "a signal", **_kwargs):
+        # runs inside Celery's signal handler: raise the flag, nothing else. The supervisor (watching the run)
+        # asks the run to checkpoint and stop, once, outside the handler; `resume` continues it later
+        stop.request(f"worker {name} is shutting down ({sig})")
 
-    watch_parent()
+    watch_parent(stop)
     log.info("worker %s: queues %s, GPU slot %s", name, ",".join(queues), gpus or "CPU")
     try:
         celery_app.worker_main(
@@ -84,4 +88,5 @@ def run_worker(
         )  # fmt: skip
     finally:
         reaper.stop()
-        registration.stop()
+        reconciler.stop()
+        bounded(registration.stop, SHUTDOWN_BOUND, "leaving the worker registry")

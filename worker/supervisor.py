@@ -18,18 +18,25 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlmodel import Session
 
 from collage.app.models import Run
 from collage.app.status import ACTIVE, ENDED, RunStatus
+from collage.app.store.diskfull import store_disk_full
 from collage.app.store.writer import StaleAttempt, StoreWriter
+from collage.training.diskspace import DiskFull
 from collage.training.errors import CollageError
+
+from .child import EXIT_STORE_FULL, NICE_ENV
+from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded
 
 log = logging.getLogger("collage.worker")
 
 READY_ENV = "COLLAGE_CHILD_READY_FILE"  # the child touches this file once its own heartbeat runs
 EXIT_GRACE = 10.0  # seconds a child whose run has ended may take to exit before it is killed
+STORE_FULL_RETRY = 2.0  # seconds between tries to record a run's end in a store whose disk is full
 
 
 @dataclass
@@ -77,6 +84,71 @@ class SlotTooSmall(CollageError, RuntimeError):
     pass
 
 
+def _record_end(
+    writer: StoreWriter,
+    run_id: str,
+    attempt: int,
+    ended: RunStatus,
+    error: str | None,
+    message: str,
+    stop: StopFlag | None,
+) -> str | None:
+    """Record how a run whose training process is gone ended. A store whose disk is full cannot take it now:
+    the first failure's words (the store's path and the space left) are kept, and the write is tried again
+    every few seconds until it goes through (someone freed space), the attempt stops being current, or the
+    worker stops."""
+    full: DiskFull | None = None
+    while True:
+        try:
+            writer.transition(run_id, ACTIVE, ended, when_attempt=attempt, error=error, message=message[:500])
+            return ended
+        except DiskFull as exc:
+            if full is None:
+                full = exc
+                ended, error, message = RunStatus.FAILED, str(exc), f"failed: {exc}"
+                log.error("run %s: %s; recording its end once the store can take it", run_id, exc)
+        state = writer.run_state(run_id)  # reads need no space
+        if state is None or state[1] != attempt or state[0] not in ACTIVE or (stop is not None and stop.requested):
+            return None
+        time.sleep(STORE_FULL_RETRY)
+
+
+def _training_processes(proc: subprocess.Popen) -> list[int]:
+    """The processes that train: the child itself, or, under ``accelerate launch``, its ranks (the launcher
+    would answer SIGTERM by killing them before they checkpoint)."""
+    if not (isinstance(proc.args, list) and "accelerate.commands.launch" in proc.args):
+        return [proc.pid]
+    ranks = []
+    for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+        try:
+            ranks += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return ranks
+
+
+def _shut_down(writer: StoreWriter, proc: subprocess.Popen, run_id: str, attempt: int, why: str) -> None:
+    """The worker is stopping: the training process is asked to checkpoint and stop (SIGTERM sets its stop
+    flag), and the run becomes ``cancelling`` with the reason, the store write bounded. Runs once per run."""
+    log.warning("run %s attempt %s: %s: asking the training to checkpoint and stop", run_id, attempt, why)
+    for pid in _training_processes(proc):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    bounded(
+        lambda: writer.transition(
+            run_id,
+            [RunStatus.RUNNING],
+            RunStatus.CANCELLING,
+            when_attempt=attempt,
+            message=f"{why}: checkpoint, then stop",
+        ),
+        SHUTDOWN_BOUND,
+        "recording the shutdown",
+    )
+
+
 def _kill(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -85,21 +157,30 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def supervise(
+def supervise(writer: StoreWriter, run_id: str, worker: str, slot: Slot, **options: Any) -> str | None:
+    """Claim ``run_id`` and run it to its end (``options``: those of :func:`run_claimed`); returns its final
+    status (``None`` if the run was not claimed)."""
+    run = claim(writer, run_id, worker)
+    if run is None:
+        log.info("run %s is not queued (already claimed, cancelled or deleted): nothing to do", run_id)
+        return None
+    return run_claimed(writer, run, worker, slot, **options)
+
+
+def run_claimed(
     writer: StoreWriter,
-    run_id: str,
+    run: Run,
     worker: str,
     slot: Slot,
     cancel_grace: float = 60.0,
     heartbeat_every: float = 5.0,
     poll: float = 0.5,
+    stop: StopFlag | None = None,
+    nice: int = 0,
 ) -> str | None:
-    """Run one claimed run to its end; returns its final status (``None`` if the run was not claimed)."""
-    run = claim(writer, run_id, worker)
-    if run is None:
-        log.info("run %s is not queued (already claimed, cancelled or deleted): nothing to do", run_id)
-        return None
-    attempt = run.attempt
+    """Run a run this worker has claimed to its end; returns its final status. ``stop``: the worker's shutdown
+    flag; once raised, the run is asked to checkpoint and stop. ``nice``: the training's CPU priority."""
+    run_id, attempt = run.id, run.attempt
     mine = writer.for_attempt(run_id, attempt)
     try:
         cmd, env, warning = child_command(run, slot)
@@ -108,6 +189,7 @@ def supervise(
             run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=str(exc), message=f"failed: {exc}"
         )
         return RunStatus.FAILED
+    env[NICE_ENV] = str(nice)  # the child applies it before it starts any thread
     if warning:
         mine.add_event(run_id, "warning", warning)
     with tempfile.TemporaryDirectory(prefix="collage-child-") as tmp:
@@ -116,7 +198,7 @@ def supervise(
         log.info("run %s attempt %s: starting %s", run_id, attempt, " ".join(cmd))
         # its own session, so the whole process group (accelerate's ranks too) can be killed at once
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        return _watch(writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll)
+        return _watch(writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll, stop)
 
 
 def _watch(
@@ -129,10 +211,16 @@ def _watch(
     cancel_grace: float,
     heartbeat_every: float,
     poll: float,
+    stop: StopFlag | None = None,
 ) -> str | None:
     cancel_seen: float | None = None
+    stopping = False
     last_beat = 0.0
     while proc.poll() is None:
+        if stop is not None and stop.requested and not stopping:
+            stopping = True
+            cancel_seen = cancel_seen or time.monotonic()
+            _shut_down(writer, proc, run_id, attempt, stop.why)
         try:
             state = writer.run_state(run_id)
             if not ready.exists() and time.monotonic() - last_beat >= heartbeat_every:
@@ -158,7 +246,7 @@ def _watch(
             )
             _kill(proc)
             return None
-        if state[0] == RunStatus.CANCELLING:
+        if state[0] == RunStatus.CANCELLING or stopping:
             cancel_seen = cancel_seen or time.monotonic()
             if time.monotonic() - cancel_seen > cancel_grace:
                 _kill(proc)
@@ -176,15 +264,12 @@ def _watch(
     if state is not None and state[1] == attempt and state[0] in ACTIVE:
         # the child died without saying how it ended
         reason = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        ended = RunStatus.CANCELLED if state[0] == RunStatus.CANCELLING else RunStatus.FAILED
-        writer.transition(
-            run_id,
-            ACTIVE,
-            ended,
-            when_attempt=attempt,
-            error=None if ended == RunStatus.CANCELLED else f"the training process {reason}",
-            message=f"{ended}: the training process {reason}",
-        )
-        return ended
+        ended = RunStatus.CANCELLED if state[0] == RunStatus.CANCELLING or stopping else RunStatus.FAILED
+        error = None if ended == RunStatus.CANCELLED else f"the training process {reason}"
+        message = f"{ended}: the training process {reason}"
+        if code == EXIT_STORE_FULL:  # it failed, and could not say so: the store's disk is full
+            ended, error = RunStatus.FAILED, str(store_disk_full(writer.engine))
+            message = f"failed: {error}"
+        return _record_end(writer, run_id, attempt, ended, error, message, stop)
     log.info("run %s attempt %s ended %s", run_id, attempt, state)
     return state[0] if state is not None and state[1] == attempt else None

@@ -1,20 +1,25 @@
-"""Liveness of the store, the broker and the workers; the one API route that answers without a token (then
-only ok / not ok)."""
+"""Liveness of the store, the broker and the workers, and the free space of the disks Collage writes to; the one
+API route that answers without a token (then only ok / not ok)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from sqlalchemy import text
+
+from collage.training.diskspace import existing_ancestor, space
 
 from ..auth import token_if_valid
 from ..db import DatabaseNotMigrated, check_migrated
 from ..models import ApiToken
 from ..schemas import HealthOut
+from ..settings import Settings
+from ..store.diskfull import sqlite_path
 
 router = APIRouter(tags=["health"])
 
@@ -23,6 +28,57 @@ class HealthBrief(BaseModel):
     """What /health says without a token."""
 
     ok: bool
+
+
+class FileSystemOut(BaseModel):
+    paths: dict[str, str] = Field(description="what Collage keeps on this file system: home, artifacts, store, broker")
+    free_bytes: int
+    total_bytes: int
+    low: bool = Field(description="less free than COLLAGE_MIN_FREE_DISK_MB: runs may fail for lack of space soon")
+
+
+class DiskOut(BaseModel):
+    ok: bool = Field(description="no file system is low on space")
+    min_free_bytes: int
+    filesystems: list[FileSystemOut]
+    errors: dict[str, str] = Field(default_factory=dict, description="paths whose space could not be read")
+
+
+class HealthDetail(HealthOut):
+    """What /health says with a token. ``ok`` is about the service (store and broker); a disk low on space is
+    reported in ``disk`` before it fills, without taking the service out of a load balancer."""
+
+    disk: DiskOut
+
+
+def _disk(settings: Settings, engine) -> DiskOut:
+    """The free space of each file system holding the home, the artifacts and the SQLite store and broker."""
+    paths: dict[str, Path] = {"home": settings.home}
+    if not str(settings.artifacts).startswith("s3:"):
+        paths["artifacts"] = settings.artifacts
+    store = sqlite_path(engine)
+    if store is not None:
+        paths["store"] = store.parent
+    if settings.broker_url.startswith("sqla+sqlite:///"):
+        paths["broker"] = Path(settings.broker_url.removeprefix("sqla+sqlite:///")).parent
+    minimum = settings.min_free_disk_mb << 20
+    devices: dict[int, FileSystemOut] = {}
+    errors: dict[str, str] = {}
+    for name, path in paths.items():
+        try:
+            where = existing_ancestor(path)
+            device, free = where.stat().st_dev, space(where)
+        except OSError as exc:
+            errors[name] = f"{path}: {exc.strerror or exc}"
+            continue
+        if device not in devices:
+            devices[device] = FileSystemOut(paths={}, free_bytes=free.free, total_bytes=free.total,
+                                            low=free.free < minimum)  # fmt: skip
+        devices[device].paths[name] = str(path)
+    filesystems = list(devices.values())
+    return DiskOut(
+        ok=not any(f.low for f in filesystems), min_free_bytes=minimum, filesystems=filesystems, errors=errors
+    )
 
 
 def _store(engine) -> dict:
@@ -37,20 +93,22 @@ def _store(engine) -> dict:
     return {"ok": True, "dialect": engine.dialect.name}
 
 
-@router.get("/health", response_model=HealthOut | HealthBrief, responses={503: {"model": HealthOut | HealthBrief}})
+@router.get(
+    "/health", response_model=HealthDetail | HealthBrief, responses={503: {"model": HealthDetail | HealthBrief}}
+)
 async def health(request: Request, token: Annotated[ApiToken | None, Depends(token_if_valid)]):
     """ok / not ok for anyone (load balancers, compose health checks); with a token, the details: store,
-    broker and live workers (host names, pids, paths stay behind authentication)."""
+    broker, live workers and the disks' free space (host names, pids, paths stay behind authentication)."""
     store = await run_in_threadpool(_store, request.app.state.engine)
     try:
         info = await run_in_threadpool(request.app.state.dispatcher.health)
     except Exception as exc:  # noqa: BLE001
         info = {"broker": {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, "workers": []}
     broker = info.get("broker", {"ok": False})
-    body = HealthOut(
-        ok=bool(store["ok"] and broker.get("ok")), store=store, broker=broker, workers=info.get("workers", [])
-    )
-    status = 200 if body.ok else 503
+    ok = bool(store["ok"] and broker.get("ok"))
+    status = 200 if ok else 503
     if token is None:
-        return JSONResponse(status_code=status, content=HealthBrief(ok=body.ok).model_dump())
+        return JSONResponse(status_code=status, content=HealthBrief(ok=ok).model_dump())
+    disk = await run_in_threadpool(_disk, request.app.state.settings, request.app.state.engine)
+    body = HealthDetail(ok=ok, store=store, broker=broker, workers=info.get("workers", []), disk=disk)
     return JSONResponse(status_code=status, content=body.model_dump())

@@ -118,6 +118,10 @@ TRANSIENT = (OperationalError, InterfaceError, DisconnectionError)
 
 
 def _is_transient(exc: BaseException) -> bool:
+    from .diskfull import is_disk_full
+
+    if is_disk_full(exc):  # an OperationalError too, but retrying cannot help: fatal, said as such by _write
+        return False
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
     return isinstance(exc, TRANSIENT)
@@ -175,6 +179,10 @@ class StoreWriter:
             except StaleAttempt:
                 raise
             except Exception as exc:  # only a dropped connection is retried; anything else is re-raised
+                from .diskfull import is_disk_full, store_disk_full
+
+                if is_disk_full(exc):
+                    raise store_disk_full(self.engine) from exc
                 if not _is_transient(exc) or time.monotonic() + delay > deadline:
                     raise
                 log.warning("store write failed (%s): retrying in %.2fs", type(exc).__name__, delay)

@@ -1,0 +1,154 @@
+"""Which queued run a worker starts, and getting back runs whose broker message was lost.
+
+A broker message is a token, not an order: the worker that receives one from queue Q claims the run that has
+waited longest in Q (the order ``GET /runs/{id}`` reports as ``queue_position``: queued at its creation or its
+latest resume), whichever run the message names. The claim is a conditional transition (``supervisor.claim``),
+so each run starts exactly once however many tokens there are; a token left over when nothing is queued is a
+no-op. Runs therefore start in the order they were queued whatever order the broker hands messages out in:
+one whose message was lost is never overtaken by a later submit (that submit's token starts it instead).
+
+A lost message (Redis restarted without persistence, a queue flushed, a worker killed between receiving a
+message and claiming its run) leaves one token too few. :func:`reconcile`, on every worker at start and then
+periodically, counts per queue the runs queued for longer than ``requeue_after`` seconds and the messages
+waiting in the broker (Redis: the queue's lists; the embedded SQLite broker: kombu's visible rows), and sends
+the difference again, naming the runs that waited longest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col
+
+from collage.app.models import Event, Run, utcnow
+from collage.app.settings import Settings
+from collage.app.status import RunStatus
+from collage.app.store.writer import StoreWriter
+
+log = logging.getLogger("collage.worker")
+
+RESUME_EVENT = "resume requested"  # the event the API writes when it puts an ended run back in the queue
+
+
+def queue_of(config: dict[str, Any]) -> str:
+    return (config.get("resources") or {}).get("queue") or "default"
+
+
+@dataclass(frozen=True)
+class Queued:
+    run_id: str
+    queued_at: datetime  # naive UTC
+
+
+def queued_runs(session: Session, queue: str) -> list[Queued]:
+    """The queued runs of ``queue``, the one that has waited longest first (ties by id)."""
+    rows = session.execute(
+        select(col(Run.id), col(Run.config), col(Run.created_at), col(Run.attempt)).where(
+            col(Run.status) == RunStatus.QUEUED
+        )
+    ).all()
+    mine = [r for r in rows if queue_of(r.config) == queue]
+    resumed = [r.id for r in mine if r.attempt > 1]
+    requeued: dict[str, datetime] = {}
+    if resumed:
+        requeued = dict(
+            session.execute(
+                select(col(Event.run_id), func.max(Event.time))
+                .where(col(Event.run_id).in_(resumed), col(Event.message).startswith(RESUME_EVENT))
+                .group_by(col(Event.run_id))
+            ).all()
+        )
+
+    def naive(when: datetime) -> datetime:
+        return when.replace(tzinfo=None) if when.tzinfo else when
+
+    found = [Queued(r.id, naive(requeued.get(r.id) or r.created_at)) for r in mine]
+    return sorted(found, key=lambda q: (q.queued_at, q.run_id))
+
+
+def claim_next(writer: StoreWriter, queue: str, worker: str) -> Run | None:
+    """Claim the run of ``queue`` that has waited longest (another worker may win a run: then the next one);
+    ``None`` when no run is queued there (a spare token)."""
+    from .supervisor import claim
+
+    with Session(writer.engine) as session:
+        candidates = queued_runs(session, queue)
+    for queued in candidates:
+        run = claim(writer, queued.run_id, worker)
+        if run is not None:
+            return run
+    return None
+
+
+# --------------------------------------------------------------------------------------------- reconcile
+def waiting_messages(celery_app: Any, queue: str) -> int:
+    """Messages waiting in ``queue`` in the broker (not yet handed to a worker)."""
+    from kombu.exceptions import ChannelError
+
+    with celery_app.connection_for_read() as connection:
+        try:
+            return int(connection.default_channel.queue_declare(queue=queue, passive=True).message_count)
+        except ChannelError:  # Redis drops an empty queue's key: no such queue is no message
+            return 0
+
+
+def reconcile(
+    engine: Engine, celery_app: Any, send: Any, queues: list[str], requeue_after: float, writer: StoreWriter
+) -> list[str]:
+    """One pass over ``queues``; returns the runs it sent again. ``send(run_id, queue)`` publishes a message."""
+    cutoff = utcnow().replace(tzinfo=None) - timedelta(seconds=requeue_after)
+    resent: list[str] = []
+    for queue in queues:
+        with Session(engine) as session:
+            waited = [q for q in queued_runs(session, queue) if q.queued_at < cutoff]
+        if not waited:
+            continue
+        missing = len(waited) - waiting_messages(celery_app, queue)
+        for queued in waited[: max(0, missing)]:
+            send(queued.run_id, queue)
+            writer.add_event(
+                queued.run_id,
+                "warning",
+                f"queued for over {requeue_after:.0f}s with no message for it in the broker (lost: the broker "
+                f"restarted or its queue {queue!r} was emptied): sent again; it keeps its place in the queue",
+            )
+            resent.append(queued.run_id)
+            log.warning("run %s: no broker message in queue %s: sent again", queued.run_id, queue)
+    return resent
+
+
+class Reconciler(threading.Thread):
+    """:func:`reconcile` at start, then every ``requeue_after / 2`` seconds (at least 1), until stopped."""
+
+    def __init__(self, settings: Settings, engine: Engine, queues: list[str]):
+        super().__init__(name="collage-reconcile", daemon=True)
+        from .dispatcher import CeleryDispatcher
+
+        self.engine, self.queues, self.requeue_after = engine, queues, settings.requeue_after
+        self.dispatcher = CeleryDispatcher(settings, engine)
+        self.writer = StoreWriter(engine, settings.artifacts)
+        self.every = max(1.0, settings.requeue_after / 2)
+        self.stopped = threading.Event()
+
+    def pass_once(self) -> list[str]:
+        return reconcile(
+            self.engine, self.dispatcher.celery, self.dispatcher.submit, self.queues, self.requeue_after, self.writer
+        )
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.pass_once()
+            except Exception:  # the store or the broker may be briefly away: logged, tried again next time
+                log.exception("reconciling the queues with the broker failed")
+            if self.stopped.wait(self.every):
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
