@@ -24,7 +24,7 @@ from sqlmodel import Session
 
 from collage.app.models import Run
 from collage.app.status import ACTIVE, ENDED, RunStatus
-from collage.app.store.diskfull import store_disk_full
+from collage.app.store.faults import store_disk_full
 from collage.app.store.writer import StaleAttempt, StoreWriter
 from collage.training.diskspace import DiskFull
 from collage.training.errors import CollageError

@@ -11,10 +11,11 @@ from sqlmodel import Session
 from collage.app.db import engine_for
 from collage.app.models import Run
 from collage.app.settings import get_settings
+from collage.app.store.queueing import queue_of
 from collage.app.store.writer import StoreWriter
 
 from .celery_app import TASK_NAME, celery_app
-from .queueing import claim_next, queue_of
+from .queueing import claim_next
 from .registry import Registration
 from .shutdown import StopFlag
 from .supervisor import Slot, run_claimed

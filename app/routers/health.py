@@ -19,7 +19,7 @@ from ..db import DatabaseNotMigrated, check_migrated
 from ..models import ApiToken
 from ..schemas import HealthOut
 from ..settings import Settings
-from ..store.diskfull import sqlite_path
+from ..store.faults import sqlite_path
 
 router = APIRouter(tags=["health"])
 

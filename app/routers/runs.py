@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, select
 from sqlmodel import Session, col
 
 from collage.training.config import ConfigError, RunConfig, apply_overrides, parse_config
@@ -34,6 +34,7 @@ from ..schemas import (
 from ..status import RunStatus
 from ..store import queries
 from ..store.faults import STORE_FAULTS
+from ..store.queueing import RESUME_EVENT, queue_of, queued_runs
 from ..store.text import TRACEBACK_LEVEL, has_traceback, public_error
 from ..store.tokens import TokenRole, audit
 from ..validation import semantic_errors
@@ -149,12 +150,8 @@ def get_run(request: Request, run_id: str, session: Annotated[Session, Depends(g
         out.error = public_error(out.error)
     if run.status == RunStatus.QUEUED:
         out.queue_position, out.queue_estimate_s = queue_place(request, session, run)
-        out.queue_workers = _queue_workers(request, _queue_of(run.config))
+        out.queue_workers = _queue_workers(request, queue_of(run.config))
     return out
-
-
-def _queue_of(config: dict[str, Any]) -> str:
-    return (config.get("resources") or {}).get("queue") or "default"
 
 
 RECENT_RUNS = 20  # finished runs whose durations make the estimate
@@ -172,28 +169,9 @@ def queue_place(request: Request, session: Session, run: Run) -> tuple[int | Non
     idle; the runs ahead are handed to whichever worker is free first, D each, and the estimate is when a worker
     is free for this run. None without a live worker on the queue or without a finished run to take D from.
     """
-    queue = _queue_of(run.config)
-    queued = session.execute(
-        select(Run.id, Run.config, Run.created_at, Run.attempt).where(col(Run.status) == RunStatus.QUEUED)
-    ).all()
-    mine = [q for q in queued if _queue_of(q.config) == queue]
-    resumed = [q.id for q in mine if q.attempt > 1]
-    requeued: dict[str, Any] = {}
-    if resumed:
-        requeued = dict(
-            session.execute(
-                select(Event.run_id, func.max(Event.time))
-                .where(col(Event.run_id).in_(resumed), col(Event.message).startswith("resume requested"))
-                .group_by(Event.run_id)
-            ).all()
-        )
-
-    def queued_at(q) -> tuple:
-        when = requeued.get(q.id) or q.created_at
-        return (when.replace(tzinfo=None) if when.tzinfo else when, q.id)
-
-    order = sorted(mine, key=queued_at)
-    position = next((i + 1 for i, q in enumerate(order) if q.id == run.id), None)
+    queue = queue_of(run.config)
+    order = queued_runs(session, queue)
+    position = next((i + 1 for i, q in enumerate(order) if q.run_id == run.id), None)
     if position is None:
         return None, None
     return position, _estimate(request, session, queue, position)
@@ -231,7 +209,7 @@ def _estimate(request: Request, session: Session, queue: str, position: int) -> 
     durations = [
         (r.finished_at - r.started_at).total_seconds()
         for r in recent
-        if r.finished_at is not None and _queue_of(r.config) == queue
+        if r.finished_at is not None and queue_of(r.config) == queue
     ][:RECENT_RUNS]
     if not durations:
         return None
@@ -339,7 +317,7 @@ def resume_run(
         run.id,
         [RunStatus.FAILED, RunStatus.CANCELLED],
         RunStatus.QUEUED,
-        message=f"resume requested: attempt {run.attempt + 1}",
+        message=f"{RESUME_EVENT}: attempt {run.attempt + 1}",
         actor=token.name,
         when_attempt=run.attempt,  # of two concurrent resumes, one wins
         attempt=Run.attempt + 1,

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlmodel import Session, col
 
 from collage.app.models import table_of
@@ -42,6 +41,7 @@ from ..models import (
     utcnow,
 )  # fmt: skip
 from . import rollups
+from .faults import is_disk_full, retryable, store_disk_full
 from .images import image_info, write_image
 from .sql import changed_rows, dialect_insert
 from .text import TRACEBACK_LEVEL, clean_json, clean_text, nul_note, split_traceback
@@ -113,20 +113,6 @@ class StaleAttempt(CollageError):
     deleted meanwhile): it must stop writing and exit."""
 
 
-# errors a dropped or restarted database connection raises; every write is idempotent, so it is retried
-TRANSIENT = (OperationalError, InterfaceError, DisconnectionError)
-
-
-def _is_transient(exc: BaseException) -> bool:
-    from .diskfull import is_disk_full
-
-    if is_disk_full(exc):  # an OperationalError too, but retrying cannot help: fatal, said as such by _write
-        return False
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-        return True
-    return isinstance(exc, TRANSIENT)
-
-
 class StoreWriter:
     """Every write is one transaction, retried with back-off when the database connection drops (for
     ``retry_for`` seconds). ``for_attempt`` gives a writer whose every transaction first checks (and locks)
@@ -179,11 +165,9 @@ class StoreWriter:
             except StaleAttempt:
                 raise
             except Exception as exc:  # only a dropped connection is retried; anything else is re-raised
-                from .diskfull import is_disk_full, store_disk_full
-
                 if is_disk_full(exc):
                     raise store_disk_full(self.engine) from exc
-                if not _is_transient(exc) or time.monotonic() + delay > deadline:
+                if not retryable(exc) or time.monotonic() + delay > deadline:
                     raise
                 log.warning("store write failed (%s): retrying in %.2fs", type(exc).__name__, delay)
                 time.sleep(delay)
