@@ -174,3 +174,53 @@ def test_a_child_that_took_over_and_then_hangs_is_reaped_and_killed(writer, monk
     script = "import os, pathlib, time; pathlib.Path(os.environ['COLLAGE_CHILD_READY_FILE']).touch(); time.sleep(600)"
     final, run = _supervised(writer, monkeypatch, tmp_path, script, heartbeat_timeout=1.5)
     assert final == "failed" and "no heartbeat" in run.error
+
+
+def test_a_child_frozen_inside_a_store_write_is_killed_so_its_end_can_be_written(writer, monkeypatch, tmp_path):
+    """A training process frozen (SIGSTOP, a paused VM) in the middle of a write transaction: on SQLite it holds
+    the store's only write lock, so the reaper can never write the run's failure. The supervisor sees the stale
+    heartbeat (a read works under the lock), kills the process, which releases the lock, and the end is written."""
+    import sys
+    import threading
+
+    from collage.worker import supervisor
+    from collage.worker.reaper import Reaper
+
+    run_id = _run(writer)
+    url = writer.engine.url.render_as_string(hide_password=False)
+    script = (
+        "import os, pathlib, signal, time\n"
+        "from sqlalchemy import create_engine, text\n"
+        "pathlib.Path(os.environ['COLLAGE_CHILD_READY_FILE']).touch()\n"
+        f"engine = create_engine({url!r})\n"
+        "connection = engine.connect()\n"
+        "connection.begin()\n"
+        f"connection.execute(text(\"UPDATE runs SET notes = 'frozen' WHERE id = '{run_id}'\"))\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "time.sleep(600)\n"
+    )
+    monkeypatch.setattr(
+        supervisor, "child_command", lambda run, slot: ([sys.executable, "-c", script], dict(os.environ), None)
+    )
+    reaper = Reaper(writer.engine, 1.5, every=0.25)
+    reaper.start()
+    result: list = []
+    watcher = threading.Thread(
+        target=lambda: result.append(
+            supervisor.supervise(
+                writer, run_id, "w1", supervisor.Slot(gpus=[]), heartbeat_every=0.5, poll=0.1, heartbeat_timeout=1.5
+            )
+        ),
+        daemon=True,
+    )
+    try:
+        watcher.start()
+        watcher.join(timeout=120)  # a liveness bound: on main the supervisor watched the frozen child forever
+    finally:
+        reaper.stop()
+    assert not watcher.is_alive(), "the supervisor never gave up on a frozen training process"
+    assert result == ["failed"]
+    with Session(writer.engine) as session:
+        run = session.get(Run, run_id)
+        assert run.status == "failed" and run.notes is None  # the frozen write never landed
+        assert "no heartbeat" in run.error or "stopped beating" in run.error, run.error

@@ -17,12 +17,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import timezone
 from pathlib import Path
 from typing import Any
 
-from sqlmodel import Session
+from sqlalchemy import select
+from sqlmodel import Session, col
 
-from collage.app.models import Run
+from collage.app.models import Run, utcnow
 from collage.app.status import ACTIVE, ENDED, RunStatus
 from collage.app.store.faults import store_disk_full
 from collage.app.store.writer import StaleAttempt, StoreWriter
@@ -177,9 +179,12 @@ def run_claimed(
     poll: float = 0.5,
     stop: StopFlag | None = None,
     nice: int = 0,
+    heartbeat_timeout: float | None = None,
 ) -> str | None:
     """Run a run this worker has claimed to its end; returns its final status. ``stop``: the worker's shutdown
-    flag; once raised, the run is asked to checkpoint and stop. ``nice``: the training's CPU priority."""
+    flag; once raised, the run is asked to checkpoint and stop. ``nice``: the training's CPU priority.
+    ``heartbeat_timeout``: a training process whose own heartbeat is older than this is frozen or hung, and is
+    killed (see :func:`_watch`)."""
     run_id, attempt = run.id, run.attempt
     mine = writer.for_attempt(run_id, attempt)
     try:
@@ -198,7 +203,23 @@ def run_claimed(
         log.info("run %s attempt %s: starting %s", run_id, attempt, " ".join(cmd))
         # its own session, so the whole process group (accelerate's ranks too) can be killed at once
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        return _watch(writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll, stop)
+        return _watch(
+            writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll, stop, heartbeat_timeout
+        )
+
+
+def _heartbeat_age(writer: StoreWriter, run_id: str) -> float | None:
+    """Seconds since the run's last heartbeat (a read: it works while another process holds SQLite's write lock);
+    ``None`` when unknown."""
+    try:
+        with Session(writer.engine) as session:
+            beat = session.scalars(select(col(Run.heartbeat_at)).where(col(Run.id) == run_id)).first()
+    except Exception:  # the store is briefly unreachable: no verdict this time
+        log.exception("run %s: could not read its heartbeat", run_id)
+        return None
+    if beat is None:
+        return None
+    return (utcnow() - (beat if beat.tzinfo else beat.replace(tzinfo=timezone.utc))).total_seconds()
 
 
 def _watch(
@@ -212,10 +233,12 @@ def _watch(
     heartbeat_every: float,
     poll: float,
     stop: StopFlag | None = None,
+    heartbeat_timeout: float | None = None,
 ) -> str | None:
     cancel_seen: float | None = None
     stopping = False
-    last_beat = 0.0
+    last_beat = last_look = 0.0
+    frozen: str | None = None  # why the supervisor killed a training process that stopped beating
     while proc.poll() is None:
         if stop is not None and stop.requested and not stopping:
             stopping = True
@@ -246,6 +269,17 @@ def _watch(
             )
             _kill(proc)
             return None
+        if heartbeat_timeout and ready.exists() and time.monotonic() - last_look >= heartbeat_every:
+            last_look = time.monotonic()
+            age = _heartbeat_age(writer, run_id)
+            if age is not None and age > heartbeat_timeout:
+                # frozen (SIGSTOP, a paused VM) or hung: the reaper would mark it failed, but a process frozen inside a
+                # SQLite write transaction holds the store's only write lock, so nobody could write that; killing
+                # it releases the lock, and the end is recorded below
+                frozen = f"stopped beating for {age:.0f}s (frozen or hung) and was killed"
+                log.error("run %s attempt %s: the training process %s", run_id, attempt, frozen)
+                _kill(proc)
+                break
         if state[0] == RunStatus.CANCELLING or stopping:
             cancel_seen = cancel_seen or time.monotonic()
             if time.monotonic() - cancel_seen > cancel_grace:
@@ -263,7 +297,12 @@ def _watch(
     state = writer.run_state(run_id)
     if state is not None and state[1] == attempt and state[0] in ACTIVE:
         # the child died without saying how it ended
-        reason = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        if frozen is not None:
+            reason = frozen
+        elif code < 0:
+            reason = f"killed by signal {signal.Signals(-code).name}"
+        else:
+            reason = f"exited with code {code}"
         ended = RunStatus.CANCELLED if state[0] == RunStatus.CANCELLING or stopping else RunStatus.FAILED
         error = None if ended == RunStatus.CANCELLED else f"the training process {reason}"
         message = f"{ended}: the training process {reason}"

@@ -53,6 +53,7 @@ def run_training(self: Task, run_id: str) -> str | None:
             SLOT,
             cancel_grace=settings.cancel_grace,
             heartbeat_every=settings.heartbeat_interval,
+            heartbeat_timeout=settings.heartbeat_timeout,
             stop=STOP,
             nice=settings.training_nice(embedded=bool(os.environ.get("COLLAGE_PARENT_PID"))),
         )
