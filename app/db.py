@@ -148,6 +148,15 @@ def alembic_config(url: str):
 
 
 def upgrade(url: str, revision: str = "head") -> None:
+    _migrate(url, revision, down=False)
+
+
+def downgrade(url: str, revision: str) -> None:
+    """Back to ``revision`` (an operator undoing an upgrade; the tests check each migration's way back)."""
+    _migrate(url, revision, down=True)
+
+
+def _migrate(url: str, revision: str, down: bool) -> None:
     from alembic import command
 
     engine = make_engine(url)  # ours: SQLite's folder is created and its pragmas are on
@@ -163,7 +172,7 @@ def upgrade(url: str, revision: str = "head") -> None:
             with connection.begin():
                 config = alembic_config(url)
                 config.attributes["connection"] = connection
-                command.upgrade(config, revision)
+                (command.downgrade if down else command.upgrade)(config, revision)
                 if sqlite:
                     broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
                     if broken:

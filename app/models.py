@@ -90,8 +90,9 @@ class Sample(SQLModel, table=True):
 
     __tablename__ = "samples"
     __table_args__ = (
-        UniqueConstraint("run_id", "step", "group", "index", name="uq_samples_position"),
+        UniqueConstraint("run_id", "split", "step", "group", "index", name="uq_samples_position"),
         Index("ix_samples_step", "run_id", "step", "id"),
+        Index("ix_samples_split", "run_id", "split", "step", "id"),
         Index("ix_samples_reward", "run_id", "reward_sort", "id"),
         Index("ix_samples_advantage", "run_id", "advantage", "id"),
         Index("ix_samples_length", "run_id", "completion_length", "id"),
@@ -121,6 +122,8 @@ class Sample(SQLModel, table=True):
     dataset_row: int | None = None
     # the dataset row's scalar columns besides the prompt and images (`answer`, ...), for judging a reward (0006)
     columns: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    # "train": a rollout the policy was trained on; "eval": a held-out evaluation rollout (advantage 0) (0007)
+    split: str = Field(default="train", sa_column=Column(String(8), nullable=False, server_default="train"))
 
 
 class Image(SQLModel, table=True):
@@ -157,6 +160,11 @@ class Checkpoint(SQLModel, table=True):
     step: int
     path: str = Field(sa_column=Column(Text, nullable=False))
     created_at: datetime = Field(default_factory=utcnow)
+    # written by 0007 and later; None for checkpoints recorded before
+    attempt: int | None = None  # the attempt that wrote it
+    bytes: int | None = Field(default=None, sa_column=Column(BigInteger, nullable=True))  # the model folder's size
+    kind: str | None = Field(default=None, max_length=8)  # "adapter" (LoRA) or "full"
+    metric: float | None = None  # train.metric_for_best_model's value at this step, when the run has one
 
 
 class ApiToken(SQLModel, table=True):
@@ -246,6 +254,52 @@ class MetricRollup(SQLModel, table=True):
     min_value: float
     max_step: int
     max_value: float
+
+
+class Job(SQLModel, table=True):
+    """Work a worker does for the dashboard besides training: an export of a checkpoint as a transformers folder
+    (``kind`` export) or a playground generation (``kind`` generate). Queued like runs, claimed exactly once by a
+    conditional transition, kept alive by a heartbeat, cancellable (0007)."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("ix_jobs_status", "status", "created_at", "id"),
+        Index("ix_jobs_run", "run_id", "created_at"),
+    )
+
+    id: str = Field(primary_key=True, max_length=32)
+    kind: str = Field(max_length=16)  # a JobKind value
+    run_id: str | None = Field(
+        default=None, sa_column=Column(String(32), ForeignKey("runs.id", ondelete="CASCADE"), nullable=True)
+    )
+    queue: str = Field(default="default", max_length=100)
+    request: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))  # what was asked, validated
+    status: str = Field(default="queued", max_length=16)  # a JobStatus value
+    progress: float = 0.0  # 0..1
+    message: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # what it is doing now
+    result: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    error: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    worker: str | None = Field(default=None, max_length=200)
+    created_by: int | None = Field(
+        default=None, sa_column=Column(Integer, ForeignKey("api_tokens.id", ondelete="SET NULL"), nullable=True)
+    )
+    created_at: datetime = Field(default_factory=utcnow)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    heartbeat_at: datetime | None = None
+
+
+class Upload(SQLModel, table=True):
+    """An image a token uploaded (the playground): the image itself is content-addressed in ``images``; this row
+    is what counts against the token's quota (0007)."""
+
+    __tablename__ = "uploads"
+    __table_args__ = (Index("ix_uploads_token", "token_id", "created_at"),)
+
+    sha256: str = Field(sa_column=Column(String(64), ForeignKey("images.sha256"), primary_key=True))
+    token_id: int = Field(sa_column=Column(Integer, ForeignKey("api_tokens.id", ondelete="CASCADE"), primary_key=True))
+    bytes: int = Field(sa_column=Column(BigInteger, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
 
 
 def table_of(model: type[SQLModel]) -> Table:

@@ -23,3 +23,14 @@ class RunStatus(str, Enum):
 
 ENDED = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
 ACTIVE = frozenset({RunStatus.RUNNING, RunStatus.CANCELLING})  # a training process may be alive
+
+
+class JobKind(str, Enum):
+    """What a job (``jobs`` table) does; its status is a :class:`RunStatus` (queued, running, cancelling, and the
+    three ends)."""
+
+    EXPORT = "export"  # a checkpoint as a plain transformers folder (collage export), then a download
+    GENERATE = "generate"  # the playground: completions of one or two models for a prompt and its images
+
+    def __str__(self) -> str:
+        return self.value

@@ -155,6 +155,8 @@ def _truncate(url: str) -> None:
 
     engine = engine_for(url)
     tables = [
+        "uploads",
+        "jobs",
         "sample_images",
         "samples",
         "images",
@@ -192,6 +194,7 @@ class RecordingDispatcher:
 
     def __init__(self):
         self.submitted: list[tuple[str, str]] = []
+        self.jobs: list[tuple[str, str]] = []
         self.cancelled: list[str] = []
         self.fail_with: Exception | None = None
 
@@ -199,6 +202,11 @@ class RecordingDispatcher:
         if self.fail_with is not None:
             raise self.fail_with
         self.submitted.append((run_id, queue))
+
+    def submit_job(self, job_id, queue):
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.jobs.append((job_id, queue))
 
     def cancel(self, run_id):
         self.cancelled.append(run_id)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from collage.training.checkpoint import STATE_FILE, CheckpointRefused, load_state
+from collage.training.checkpoint import STATE_FILE, CheckpointRefused, load_state, read_info, save_checkpoint
 from collage.training.output import OutputFolder
 from collage.training.trainer import Trainer
 
@@ -119,7 +119,6 @@ def _png_of(image: Image.Image) -> bytes:
 
 
 def test_an_unencoded_rollout_image_is_saved_as_pixels_and_loads_back(stopped, tmp_path):
-    from collage.training.checkpoint import save_checkpoint
 
     state = load_state(stopped)
     image = next(im for row in state["buffer"].rows for im in row.images)
@@ -132,7 +131,14 @@ def test_an_unencoded_rollout_image_is_saved_as_pixels_and_loads_back(stopped, t
             (Path(folder) / "weights.bin").write_bytes(b"w")
 
     rng = state.pop("rng")
-    folder = save_checkpoint(tmp_path, 7, Saves(), Saves(), state, rng)
+    folder, size = save_checkpoint(tmp_path, 7, Saves(), Saves(), state, rng)
+    assert size == 1 and read_info(folder) == {  # model and processor wrote the same 1-byte file
+        "step": 7,
+        "kind": "full",
+        "bytes": 1,
+        "metric": None,
+        "metric_value": None,
+    }
     found = torch.serialization.get_unsafe_globals_in_checkpoint(folder / STATE_FILE)
     assert not [g for g in found if g.startswith("PIL.")], found  # no PIL class: raw pixels only
     restored = next(im for row in load_state(folder)["buffer"].rows for im in row.images)

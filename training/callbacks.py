@@ -242,12 +242,16 @@ class RolloutRow:
     group_std: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     columns: dict[str, Any] = field(default_factory=dict)
+    # "train": a rollout the policy learns from; "eval": a held-out evaluation rollout (advantage 0, group = the
+    # held-out prompt's place in the evaluation, step = the optimizer step evaluated, 0 for eval_on_start)
+    split: str = "train"
 
     def __post_init__(self) -> None:
         self.columns = scalar_columns(self.columns)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:  # a checkpoint pickled before rows had columns
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a checkpoint pickled before rows had columns/split
         state.setdefault("columns", {})
+        state.setdefault("split", "train")
         self.__dict__.update(state)
 
     def to_json(self) -> dict[str, Any]:
@@ -267,7 +271,19 @@ class RolloutRow:
             "group_mean": self.group_mean,
             "group_std": self.group_std,
             "columns": self.columns,
+            "split": self.split,
         }
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a saved checkpoint holds, for whoever lists it (the store, the output folder's ``checkpoint.json``)."""
+
+    step: int
+    path: str  # the checkpoint folder (its ``model/`` is a from_pretrained folder: the model, or the LoRA adapter)
+    kind: str  # "adapter" (LoRA: model/ holds the adapter only) or "full"
+    bytes: int  # the size of model/ (what a download or an export moves)
+    metric: float | None = None  # train.metric_for_best_model at this step, when the run has one and it was logged
 
 
 class Callback:
@@ -283,7 +299,10 @@ class Callback:
 
     def on_progress(self, step: int, max_steps: int, seconds_per_step: float | None) -> None: ...
 
-    def on_checkpoint(self, step: int, path: str) -> None: ...
+    def on_checkpoint(self, step: int, path: str, info: CheckpointInfo) -> None: ...
+
+    def on_checkpoint_removed(self, step: int, path: str) -> None:
+        """``train.save_total_limit`` deleted the checkpoint of ``step`` (its folder is gone)."""
 
     def should_stop(self) -> bool:
         """Polled once per step; True makes the trainer save a checkpoint and stop (cancellation)."""
@@ -331,8 +350,11 @@ class CallbackList(Callback):
     def on_progress(self, step, max_steps, seconds_per_step):
         self._each("on_progress", step, max_steps, seconds_per_step)
 
-    def on_checkpoint(self, step, path):
-        self._each("on_checkpoint", step, path)
+    def on_checkpoint(self, step, path, info):
+        self._each("on_checkpoint", step, path, info)
+
+    def on_checkpoint_removed(self, step, path):
+        self._each("on_checkpoint_removed", step, path)
 
     def should_stop(self) -> bool:
         return any(cb.should_stop() for cb in self.callbacks)

@@ -10,6 +10,7 @@ Checkpoint folders are 0700 and their files 0600, whatever the process's umask.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import pickle
 import random
@@ -27,6 +28,7 @@ from .errors import CollageError
 from .private import private_dir, private_tree
 
 STATE_FILE = "trainer_state.pt"
+INFO_FILE = "checkpoint.json"  # step, kind, model bytes, metric: readable without torch
 FULL_BELOW = 1 << 20  # a write that failed with less than this left on its file system failed for lack of space
 
 
@@ -88,10 +90,32 @@ class _PickleModule:
     dump, dumps, load, loads = pickle.dump, pickle.dumps, pickle.load, pickle.loads
 
 
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def read_info(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's ``checkpoint.json`` (step, kind, bytes, metric), or None for one written before it existed."""
+    try:
+        data = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def save_checkpoint(
-    out: Path, step: int, model: Any, processor: Any, state: dict[str, Any], rank_rng: list[dict[str, Any]]
-) -> Path:
-    """Write ``checkpoints/step-<step>/`` via a temporary folder, so a crash never leaves half a checkpoint.
+    out: Path,
+    step: int,
+    model: Any,
+    processor: Any,
+    state: dict[str, Any],
+    rank_rng: list[dict[str, Any]],
+    kind: str = "full",
+    metric: tuple[str, float] | None = None,
+) -> tuple[Path, int]:
+    """Write ``checkpoints/step-<step>/`` via a temporary folder, so a crash never leaves half a checkpoint; returns
+    the folder and the size of its ``model/`` (what a download or export moves). ``checkpoint.json`` beside it says
+    what it is (``kind``: ``adapter`` or ``full``; ``metric``: ``(train.metric_for_best_model, value)``).
 
     A write that fails removes the temporary folder; one that failed because the disk is full raises
     :class:`DiskFull` naming the checkpoint and the space left."""
@@ -106,6 +130,11 @@ def save_checkpoint(
         # through a Python file: a full disk is then an OSError (ENOSPC), not torch's "iostream error"
         with open(tmp / STATE_FILE, "wb") as fh:
             torch.save({**state, "rng": rank_rng}, fh, pickle_module=_PickleModule)
+        size = folder_bytes(tmp / "model")
+        info = {"step": step, "kind": kind, "bytes": size, "metric": None, "metric_value": None}
+        if metric is not None:
+            info["metric"], info["metric_value"] = metric
+        (tmp / INFO_FILE).write_text(json.dumps(info), encoding="utf-8")
         private_tree(tmp)  # what transformers and safetensors wrote follows the umask; the checkpoint does not
     except BaseException as exc:
         left = space_or_none(final.parent)  # before the partial folder is removed: the space the write found
@@ -116,7 +145,7 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    return final
+    return final, size
 
 
 # ------------------------------------------------------------------------------------------------- reading

@@ -107,12 +107,36 @@ class DatasetSettings(_Strict):
     min_images: int = Field(0, ge=0, le=IMAGES_MAX)
     max_images: int = Field(3, ge=0, le=IMAGES_MAX)
     seed: int = Field(0, ge=0, le=SEED_MAX)  # synth only: the dataset's own seed, independent of train.seed
+    # held-out data for evaluation (train.eval_strategy; docs/training.md, Evaluation), one of three ways:
+    # eval_split: another split of `source` (a synthetic task: the same task from another seed); with eval_source, the
+    # split of that source (default train); eval_fraction: a deterministic slice of `split` that is never trained on
+    eval_split: str | None = Field(None, min_length=1, max_length=100)
+    eval_source: str | None = Field(None, min_length=1, max_length=500)
+    eval_fraction: float | None = Field(None, gt=0.0, lt=1.0)
 
     @model_validator(mode="after")
     def _images_range(self) -> DatasetSettings:
         if self.max_images < self.min_images:
             raise ValueError(f"max_images ({self.max_images}) must be >= min_images ({self.min_images})")
         return self
+
+    @model_validator(mode="after")
+    def _one_eval_set(self) -> DatasetSettings:
+        if self.eval_fraction is not None and (self.eval_split is not None or self.eval_source is not None):
+            raise ValueError(
+                "eval_fraction: holds out a slice of the training split; it cannot be combined with eval_split or "
+                "eval_source (which name held-out data of their own)"
+            )
+        if self.eval_source is None and self.eval_split is not None and self.eval_split == self.split:
+            raise ValueError(
+                f"eval_split: {self.eval_split!r} is the training split itself: held-out data must be another split "
+                "(or use eval_fraction)"
+            )
+        return self
+
+    @property
+    def has_eval_data(self) -> bool:
+        return self.eval_split is not None or self.eval_source is not None or self.eval_fraction is not None
 
 
 class RewardSettings(_Strict):
@@ -177,6 +201,25 @@ class TrainSettings(_Strict):
     gradient_checkpointing: bool = False
     seed: int = Field(0, ge=0, le=SEED_MAX)
     save_steps: int = Field(0, ge=0, le=STEPS_MAX)
+    # checkpoints kept (TRL's names): the newest save_total_limit, never deleting the newest nor the best by
+    # metric_for_best_model (greater_is_better: None = True unless the metric's name ends in "loss", as TRL)
+    save_total_limit: int | None = Field(None, gt=0, le=STEPS_MAX)
+    metric_for_best_model: str | None = Field(None, min_length=1, max_length=100, pattern=r"^[\w./@+-]+$")
+    greater_is_better: bool | None = None
+    # held-out evaluation (TRL's names where TRL has them; docs/training.md, Evaluation)
+    eval_strategy: Literal["no", "steps"] = "no"
+    eval_steps: int | None = Field(None, gt=0, le=STEPS_MAX)  # None: every ceil(max_steps / 10) steps
+    eval_on_start: bool = False  # evaluate the initial model too (step 0), for a baseline
+    # completions per eval batch and process (a multiple of eval_num_generations); None: per_device_train_batch_size
+    per_device_eval_batch_size: int | None = Field(None, gt=0, le=BATCH_MAX)
+    eval_num_generations: int = Field(
+        1, ge=1, le=BATCH_MAX
+    )  # completions per held-out prompt (TRL: num_generations_eval)
+    eval_temperature: float | None = Field(None, gt=0, le=100.0)  # None: greedy with one completion, else temperature
+    eval_max_rows: int | None = Field(None, gt=0, le=ROWS_MAX)  # held-out prompts per evaluation (the first N)
+    # eval/pass@k: a completion passes when this reward (default: accuracy, when the run has it) is >= the threshold
+    eval_pass_reward: str | None = Field(None, min_length=1, max_length=500)
+    eval_pass_threshold: float = Field(1.0, ge=-1e6, le=1e6)
     # not in TRL's GRPOConfig under these names, but users expect them
     weight_decay: float = Field(0.0, ge=0, le=100.0)
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
@@ -196,6 +239,26 @@ class TrainSettings(_Strict):
     @property
     def generation_steps(self) -> int:
         return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def eval_every(self) -> int:
+        """Optimizer steps between evaluations (``eval_steps``, or about ten evaluations per run)."""
+        return self.eval_steps or max(1, -(-self.max_steps // 10))
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Completions per eval batch and process."""
+        return self.per_device_eval_batch_size or self.per_device_train_batch_size
+
+    @property
+    def eval_greedy(self) -> bool:
+        return self.eval_num_generations == 1 and self.eval_temperature is None
+
+    @property
+    def best_is_greater(self) -> bool:
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return not (self.metric_for_best_model or "").endswith("loss")
 
     @property
     def generation_batch_size(self) -> int:
@@ -310,9 +373,40 @@ class RunConfig(_Strict):
                     "train.sync_ref_model: not supported with model.lora: the reference is the base model with the "
                     "adapters disabled, not a copy that could be synchronised (TRL refuses it too)"
                 )
+        self._check_eval()
         if self.name is None:
             self.name = default_name(self)
         return self
+
+    def _check_eval(self) -> None:
+        t, d = self.train, self.dataset
+        evaluates = t.eval_strategy != "no" or t.eval_on_start
+        if evaluates and not d.has_eval_data:
+            key = "eval_strategy" if t.eval_strategy != "no" else "eval_on_start"
+            raise ValueError(
+                f"train.{key}: needs held-out data: set dataset.eval_split, dataset.eval_source or dataset.eval_fraction"
+            )
+        if t.eval_batch_size % t.eval_num_generations:
+            raise ValueError(
+                f"train.per_device_eval_batch_size: {t.eval_batch_size} completions must be a multiple of "
+                f"eval_num_generations = {t.eval_num_generations} (each held-out prompt's completions stay together)"
+            )
+        names = [r.name for r in self.rewards]
+        if t.eval_pass_reward is not None and t.eval_pass_reward not in names:
+            raise ValueError(f"train.eval_pass_reward: {t.eval_pass_reward!r} is not one of the run's rewards {names}")
+        best = t.metric_for_best_model
+        if best is not None and best.startswith("eval/"):
+            if t.eval_strategy != "steps":
+                raise ValueError(
+                    f"train.metric_for_best_model: {best} is an evaluation metric: needs eval_strategy: steps"
+                )
+            if t.save_steps and t.save_steps % t.eval_every:
+                raise ValueError(
+                    f"train.save_steps: {t.save_steps} must be a multiple of eval_steps = {t.eval_every}, so every "
+                    f"checkpoint has its {best} (as TRL requires for the best model)"
+                )
+        if t.save_total_limit is not None and t.save_steps == 0:
+            raise ValueError("train.save_total_limit: has no effect with save_steps 0 (one checkpoint, at the end)")
 
 
 def default_name(config: RunConfig) -> str:
@@ -349,14 +443,20 @@ def error_message(err: Mapping[str, Any]) -> str:
     return message.removeprefix("Value error, ")
 
 
+_FIELD_PREFIX = re.compile(r"^([a-z][a-z0-9_]*): ")
+
+
 def format_errors(errors: Iterable[Mapping[str, Any]], root: str = "config") -> list[tuple[str, str]]:
     """Pydantic errors of a run config as ``(key path, message)`` pairs; a cross-field error whose message
     starts with its own path (``train.loss_type: ...``) is filed under that path."""
     out = []
     for err in errors:
         path, message = error_path(err.get("loc", ())) or root, error_message(err)
-        if message.startswith(("train: ", "train.")):
+        if message.startswith(("train: ", "train.", "dataset.")):
             path, message = message.split(": ", 1)
+        elif (field := _FIELD_PREFIX.match(message)) is not None and path != root:
+            # a section's cross-field check names its field first ("eval_fraction: ..."): file it under that key
+            path, message = f"{path}.{field.group(1)}", message[field.end() :]
         out.append((path, message))
     return out
 

@@ -32,7 +32,7 @@ from .batching.inputs import (
     completion_logprobs_and_entropy,
 )
 from .batching.vision import POLICY, REFERENCE, SHARED, VisionFeatures
-from .callbacks import Callback, CallbackList, RolloutImage, RolloutRow
+from .callbacks import Callback, CallbackList, CheckpointInfo, RolloutImage, RolloutRow
 from .checkpoint import latest_checkpoint, load_model_weights, load_state, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, TrainSettings
 from .data.loader import DatasetError, LoadedDataset, load_dataset
@@ -652,8 +652,9 @@ class Trainer:
         path = None
         if self.is_main and self.out is not None:
             unwrapped = self.accelerator.unwrap_model(self.model)
-            path = save_checkpoint(self.out, self.step, unwrapped, self.processor, self._state(), rngs)
-            self.callbacks.on_checkpoint(self.step, str(path))
+            kind = "adapter" if self.uses_lora else "full"
+            path, size = save_checkpoint(self.out, self.step, unwrapped, self.processor, self._state(), rngs, kind)
+            self.callbacks.on_checkpoint(self.step, str(path), CheckpointInfo(self.step, str(path), kind, size))
         self.accelerator.wait_for_everyone()
         return path
 

@@ -16,6 +16,7 @@ from collage.app.settings import Settings, get_settings
 from .broker import celery_broker_url
 
 TASK_NAME = "collage.run"
+JOB_TASK_NAME = "collage.job"  # an export or a playground generation (worker/jobs.py)
 
 
 def make_celery(settings: Settings | None = None) -> Celery:
@@ -28,7 +29,11 @@ def make_celery(settings: Settings | None = None) -> Celery:
         from collage.app.db import private_file
 
         private_file(Path(settings.broker_url.removeprefix("sqla+sqlite:///")))
-    app = Celery("collage", broker=celery_broker_url(settings.broker_url), include=["collage.worker.tasks"])
+    app = Celery(
+        "collage",
+        broker=celery_broker_url(settings.broker_url),
+        include=["collage.worker.tasks", "collage.worker.jobs"],
+    )
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,

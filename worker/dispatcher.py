@@ -7,8 +7,9 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from collage.app.settings import Settings
+from collage.app.store.jobs import broker_queue
 
-from .celery_app import TASK_NAME, make_celery
+from .celery_app import JOB_TASK_NAME, TASK_NAME, make_celery
 from .registry import live_workers
 
 
@@ -22,6 +23,13 @@ class CeleryDispatcher:
         # retry publishing through a short broker outage; past that the API marks the run failed (503)
         self.celery.send_task(
             TASK_NAME, args=[run_id], queue=queue, retry=True,
+            retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
+        )  # fmt: skip
+
+    def submit_job(self, job_id: str, queue: str) -> None:
+        # on the queue's jobs queue (app.store.jobs.broker_queue): a worker of `queue` takes both kinds of message
+        self.celery.send_task(
+            JOB_TASK_NAME, args=[job_id], queue=broker_queue(queue), retry=True,
             retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
         )  # fmt: skip
 

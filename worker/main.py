@@ -13,6 +13,7 @@ from celery import signals
 
 from collage.app.db import check_migrated, engine_for
 from collage.app.settings import get_settings
+from collage.app.store.jobs import broker_queue
 from collage.training.data.synth import clean_stale_temp_folders
 
 from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded, die_with_parent
@@ -79,11 +80,13 @@ def run_worker(
         stop.request(f"worker {name} is shutting down ({sig})")
 
     watch_parent(stop)
+    # each queue's runs, and its jobs (exports, playground generations) on a queue of their own (app.store.jobs)
+    consumed = [*queues, *(broker_queue(q) for q in queues)]
     log.info("worker %s: queues %s, GPU slot %s", name, ",".join(queues), gpus or "CPU")
     try:
         celery_app.worker_main(
             (["--quiet"] if quiet else [])  # a global option of Celery's command line: before "worker"
-            + ["worker", "--pool", "solo", "--concurrency", "1", "--queues", ",".join(queues), "--hostname", name,
+            + ["worker", "--pool", "solo", "--concurrency", "1", "--queues", ",".join(consumed), "--hostname", name,
                "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat"]
         )  # fmt: skip
     finally:

@@ -26,6 +26,7 @@ from sqlmodel import Session
 
 from collage.app.models import Run, utcnow
 from collage.app.settings import Settings
+from collage.app.store.jobs import broker_queue, queued_jobs
 from collage.app.store.queueing import queued_runs
 from collage.app.store.writer import StoreWriter
 
@@ -83,6 +84,23 @@ def reconcile(
     return resent
 
 
+def reconcile_jobs(engine: Engine, celery_app: Any, send: Any, queues: list[str], requeue_after: float) -> list[str]:
+    """The same for jobs (exports, playground generations), on each queue's jobs queue; ``send(job_id, queue)``."""
+    cutoff = utcnow().replace(tzinfo=None) - timedelta(seconds=requeue_after)
+    resent: list[str] = []
+    for queue in queues:
+        with Session(engine) as session:
+            waited = [j for j in queued_jobs(session, queue) if j.created_at.replace(tzinfo=None) < cutoff]
+        if not waited:
+            continue
+        missing = len(waited) - waiting_messages(celery_app, broker_queue(queue))
+        for job in waited[: max(0, missing)]:
+            send(job.id, queue)
+            resent.append(job.id)
+            log.warning("job %s: no broker message in queue %s: sent again", job.id, broker_queue(queue))
+    return resent
+
+
 class Reconciler(threading.Thread):
     """:func:`reconcile` at start, then every ``requeue_after / 2`` seconds (at least 1), until stopped."""
 
@@ -97,9 +115,9 @@ class Reconciler(threading.Thread):
         self.stopped = threading.Event()
 
     def pass_once(self) -> list[str]:
-        return reconcile(
-            self.engine, self.dispatcher.celery, self.dispatcher.submit, self.queues, self.requeue_after, self.writer
-        )
+        celery = self.dispatcher.celery
+        runs = reconcile(self.engine, celery, self.dispatcher.submit, self.queues, self.requeue_after, self.writer)
+        return runs + reconcile_jobs(self.engine, celery, self.dispatcher.submit_job, self.queues, self.requeue_after)
 
     def run(self) -> None:
         while True:

@@ -13,6 +13,7 @@ from sqlmodel import Session, col
 
 from collage.app.models import Run, utcnow
 from collage.app.status import ACTIVE, RunStatus
+from collage.app.store.jobs import reap_jobs
 from collage.app.store.writer import StoreWriter
 
 from .registry import forget_stale
@@ -66,6 +67,7 @@ class Reaper(threading.Thread):
         while not self.stopped.wait(self.every):
             try:
                 reap(self.engine, self.timeout)
+                reap_jobs(self.engine, self.timeout)
                 forget_stale(self.engine, older_than=STALE_WORKER_AFTER)
             except Exception:  # the store may be briefly unavailable: logged, tried again next time
                 log.exception("reaper pass failed")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from collage.app.models import RunStatus
 from collage.app.store.writer import ImageIn, SampleIn, StaleAttempt, StoreWriter
-from collage.training.callbacks import BackgroundWriter, Callback, RolloutRow
+from collage.training.callbacks import BackgroundWriter, Callback, CheckpointInfo, RolloutRow
 
 log = logging.getLogger("collage.worker")
 
@@ -33,6 +33,7 @@ def _sample_in(row: RolloutRow) -> SampleIn:
         group_std=row.group_std,
         dataset_row=row.row,
         columns=row.columns,
+        split=row.split,
     )
 
 
@@ -123,8 +124,15 @@ class StoreCallback(Callback):
     def on_progress(self, step: int, max_steps: int, seconds_per_step: float | None) -> None:
         self.background.put(lambda: self.writer.set_progress(self.run_id, step))
 
-    def on_checkpoint(self, step: int, path: str) -> None:
-        self.background.put(lambda: self.writer.add_checkpoint(self.run_id, step, path))
+    def on_checkpoint(self, step: int, path: str, info: CheckpointInfo) -> None:
+        self.background.put(
+            lambda: self.writer.add_checkpoint(
+                self.run_id, step, path, kind=info.kind, size=info.bytes, metric=info.metric
+            )
+        )
+
+    def on_checkpoint_removed(self, step: int, path: str) -> None:
+        self.background.put(lambda: self.writer.remove_checkpoint(self.run_id, step))
 
     def should_stop(self) -> bool:
         return self.writer.run_status(self.run_id) in (RunStatus.CANCELLING, RunStatus.CANCELLED, None)

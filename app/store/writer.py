@@ -92,6 +92,7 @@ class SampleIn:
     dataset_row: int | None = None
     # the dataset row's scalar columns besides the prompt and images; kept as training.callbacks.scalar_columns says
     columns: Mapping[str, Any] | None = None
+    split: str = "train"  # or "eval": a held-out evaluation rollout
 
 
 def prompt_text(prompt: Any) -> str:
@@ -408,16 +409,23 @@ class StoreWriter:
                     "zero_std": std is not None and abs(std) < 1e-8,
                     "dataset_row": getattr(row, "dataset_row", getattr(row, "row", None)),
                     "columns": columns or None,
+                    "split": getattr(row, "split", "train"),
                 }
             )
         note = f"step {step}: {nul_note(nuls, 'rollout text')}" if nuls else None
+        splits = sorted({row["split"] for row in sample_rows})
 
         def write(session: Session) -> None:
             if image_rows:
                 stmt = dialect_insert(session, table_of(Image)).on_conflict_do_nothing(index_elements=["sha256"])
                 session.execute(stmt, image_rows)
-            # a redelivered step replaces what the earlier delivery wrote
-            session.execute(delete(Sample).where(col(Sample.run_id) == run_id, col(Sample.step) == step))
+            # a redelivered step replaces what the earlier delivery wrote, in the splits it writes (a step's eval
+            # rows come in a call of their own and never replace its training rows, nor the other way round)
+            session.execute(
+                delete(Sample).where(
+                    col(Sample.run_id) == run_id, col(Sample.step) == step, col(Sample.split).in_(splits or ["train"])
+                )
+            )
             if sample_rows:
                 result = session.execute(
                     insert(table_of(Sample)).returning(table_of(Sample).c.id, sort_by_parameter_order=True), sample_rows
@@ -437,12 +445,33 @@ class StoreWriter:
         return len(sample_rows)
 
     # ---------------------------------------------------------- checkpoints
-    def add_checkpoint(self, run_id: str, step: int, path: str) -> None:
+    def add_checkpoint(
+        self,
+        run_id: str,
+        step: int,
+        path: str,
+        *,
+        kind: str | None = None,
+        size: int | None = None,
+        metric: float | None = None,
+    ) -> None:
+        """Record the checkpoint of ``step`` (a rewrite of the step replaces it); an attempt writer records its
+        attempt with it."""
+        values = {"path": path, "attempt": self.attempt, "kind": kind, "bytes": size, "metric": _clean(metric)}
+
         def write(session: Session) -> None:
             stmt = dialect_insert(session, table_of(Checkpoint)).on_conflict_do_update(
-                index_elements=["run_id", "step"], set_={"path": path}
+                index_elements=["run_id", "step"], set_=values
             )
-            session.execute(stmt, [{"run_id": run_id, "step": step, "path": path, "created_at": utcnow()}])
+            session.execute(stmt, [{"run_id": run_id, "step": step, "created_at": utcnow(), **values}])
+
+        self._write(write)
+
+    def remove_checkpoint(self, run_id: str, step: int) -> None:
+        """``train.save_total_limit`` deleted the checkpoint of ``step``."""
+
+        def write(session: Session) -> None:
+            session.execute(delete(Checkpoint).where(col(Checkpoint.run_id) == run_id, col(Checkpoint.step) == step))
 
         self._write(write)
 

@@ -1,0 +1,84 @@
+"""The migrations and the table models stay in step, and 0007 (eval rows, checkpoint details, jobs, uploads) keeps
+what an older store held, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import text
+
+from .conftest import PG_ADMIN_URL, _postgres_available, require_service
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_url(request, tmp_path):
+    """A database no migration has touched yet (a fresh PostgreSQL database per test, dropped after)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'store.db'}"
+        return
+    require_service(_postgres_available())
+    import psycopg
+
+    from collage.app.db import engine_for
+
+    name = f"collage_mig_{uuid.uuid4().hex[:10]}"
+    admin = PG_ADMIN_URL.replace("+psycopg", "")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield f"{PG_ADMIN_URL.rsplit('/', 1)[0]}/{name}"
+    engine_for.cache_clear()
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_the_migrated_schema_is_the_models_schema(empty_url):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from sqlmodel import SQLModel
+
+    import collage.app.models  # noqa: F401 - registers the tables
+    from collage.app.db import make_engine, upgrade
+
+    upgrade(empty_url)
+    engine = make_engine(empty_url)
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), SQLModel.metadata)
+    engine.dispose()
+    # 0003's trigram indexes exist on PostgreSQL only (a GIN index SQLite has no such thing as): not modelled
+    diff = [d for d in diff if not (d[0] == "remove_index" and d[1].name.endswith("_trgm"))]
+    assert diff == [], diff
+
+
+def test_0007_keeps_old_rows_as_training_rows_and_lets_eval_rows_sit_beside_them(empty_url):
+    from collage.app.db import downgrade, make_engine, upgrade
+
+    upgrade(empty_url, "0006")
+    engine = make_engine(empty_url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name, algorithm, config, status, step, max_steps, model_path, "
+                          "dataset_source, created_at, updated_at, attempt, warning_count) VALUES ('r', 'n', 'grpo', "
+                          "'{}', 'succeeded', 0, 0, '', '', '2026-01-01 00:00:00', '2026-01-01 00:00:00', 1, 0)"))  # fmt: skip
+        conn.execute(text('INSERT INTO samples (run_id, step, "group", "index", prompt, prompt_text, completion, '
+                          "rewards, reward_sort, advantage, completion_length, truncated, num_images, zero_std) VALUES "
+                          "('r', 1, 0, 0, '\"p\"', 'p', 'c', '{}', 0, 0, 1, false, 0, false)"))  # fmt: skip
+        conn.execute(text("INSERT INTO checkpoints (run_id, step, path, created_at) VALUES "
+                          "('r', 1, '/x', '2026-01-01 00:00:00')"))  # fmt: skip
+    upgrade(empty_url)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT split FROM samples")).scalars().all() == ["train"]
+        assert conn.execute(text("SELECT attempt, bytes, kind, metric FROM checkpoints")).all() == [
+            (None, None, None, None)
+        ]
+        # the same position in the eval split is another row
+        conn.execute(text('INSERT INTO samples (run_id, split, step, "group", "index", prompt, prompt_text, '
+                          "completion, rewards, reward_sort, advantage, completion_length, truncated, num_images, "
+                          "zero_std) VALUES ('r', 'eval', 1, 0, 0, '\"p\"', 'p', 'c', '{}', 0, 0, 1, false, 0, false)"))  # fmt: skip
+    with pytest.raises(Exception, match="(?i)unique"), engine.begin() as conn:
+        conn.execute(text('INSERT INTO samples (run_id, split, step, "group", "index", prompt, prompt_text, '
+                          "completion, rewards, reward_sort, advantage, completion_length, truncated, num_images, "
+                          "zero_std) VALUES ('r', 'eval', 1, 0, 0, '\"p\"', 'p', 'c', '{}', 0, 0, 1, false, 0, false)"))  # fmt: skip
+    downgrade(empty_url, "0006")  # and back: the eval rows go, the training rows stay
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT count(*) FROM samples")).scalar() == 1
+    engine.dispose()
