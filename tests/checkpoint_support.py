@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
@@ -28,7 +28,7 @@ def run_config(kind: str) -> dict:
     }  # fmt: skip
 
 
-@lru_cache(maxsize=None)
+@cache
 def trained(kind: str) -> Path:
     """The output folder of a real 2-step run (``kind``: ``full`` or ``lora``) with checkpoints at steps 1 and 2."""
     from collage.training.config import parse_config

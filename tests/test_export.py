@@ -153,6 +153,8 @@ def test_importing_the_export_module_loads_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, collage.training.export; print([m for m in ('torch', 'transformers', 'peft') if m in sys.modules])"
+    code = (
+        "import sys, collage.training.export; print([m for m in ('torch', 'transformers', 'peft') if m in sys.modules])"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
