@@ -75,14 +75,23 @@ def test_the_checkpoints_panel_lists_downloads_and_exports(server, page, tmp_pat
     on_disk = Path(server["home"]) / "artifacts" / "runs" / run_id / "attempt-1" / "checkpoints" / "step-2" / "model"
     assert files_of(tmp_path / "x" / f"{run_id}-step-2") == files_of(on_disk)
 
+    # a download the server refuses is said in the panel (here: the checkpoint's files went away)
+    import shutil
+
+    shutil.rmtree(on_disk.parent.parent / "step-3")
+    page.click("tr[data-step='3'] button.download")
+    _wait(lambda: page.is_visible("#checkpoints-error"), "the download's refusal")
+    assert "Not downloaded: checkpoint step 3 of run" in page.inner_text("#checkpoints-error")
+    assert "its files are gone" in page.inner_text("#checkpoints-error")
+
     # Export, merged: progress, then a download link; a second export at once is refused and says why
     page.check("#merge-lora")
     page.click("tr[data-step='2'] button.export")
-    page.click("tr[data-step='1'] button.export")
-    _wait(lambda: page.is_visible("#checkpoints-error"), "the refusal")
-    assert "one export at a time per token" in page.inner_text("#checkpoints-error")
     wait_js(page, "!document.getElementById('export-box').hidden")
     assert "Export of step 2 (LoRA merged)" in page.inner_text("#export-title")
+    assert page.is_hidden("#checkpoints-error")  # a new action clears the last refusal
+    page.click("tr[data-step='1'] button.export")
+    _wait(lambda: "one export at a time per token" in page.inner_text("#checkpoints-error"), "the refusal")
     _wait(lambda: page.is_visible("#export-download"), "the export's download link", timeout=240)
     assert page.inner_text("#export-state") == "succeeded"
     shoot(page, "run-checkpoints")
@@ -92,5 +101,5 @@ def test_the_checkpoints_panel_lists_downloads_and_exports(server, page, tmp_pat
     with tarfile.open(fileobj=io.BytesIO(exported.content)) as archive:
         names = {Path(n).name for n in archive.getnames()}
     assert {"config.json", "model.safetensors", "generation_config.json"} <= names
-    # the browser logs the refused request itself (the 429 the panel showed); nothing else went wrong
-    assert [e for e in page.errors if "status of 429" not in e] == [], page.errors
+    # the browser logs the refused requests themselves (the 410 and 429 the panel showed); nothing else went wrong
+    assert [e for e in page.errors if not ("status of 429" in e or "status of 410" in e)] == [], page.errors
