@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import io
 import tarfile
-import time
 from pathlib import Path
 
 from .checkpoint_support import LORA, files_of
 from .dashboard_support import API, shoot, small_config, wait_done, wait_js
+from .test_workers import wait_for
 
 
 def _rows(page) -> list[str]:
@@ -19,13 +19,7 @@ def _rows(page) -> list[str]:
 
 
 def _wait(predicate, what: str, timeout: float = 180):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_for(predicate, timeout, what)
 
 
 def test_the_checkpoints_panel_lists_downloads_and_exports(server, page, tmp_path):

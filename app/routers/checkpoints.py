@@ -9,6 +9,7 @@ without following a link (``app/tarstream.py``). Torch-free: the web node serves
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -95,9 +96,9 @@ def model_folder(entry: store.CheckpointEntry, artifacts: Path, run_id: str) -> 
     return model
 
 
-def tar_response(request: Request, root: Path, name: str) -> _SlotStream:
-    """``root`` as a streamed tar download named ``name.tar`` (everything under the folder ``name/``), holding one of
-    the web process's export slots while it streams."""
+def hold_export_slot(request: Request) -> Callable[[], None]:
+    """One of the web process's ``COLLAGE_MAX_EXPORTS`` export slots (429 with ``Retry-After`` when none is free);
+    returns its release, which frees it exactly once however often it is called."""
     slots = export_slots(request.app)
     if not slots.acquire(blocking=False):
         raise HTTPException(
@@ -111,6 +112,13 @@ def tar_response(request: Request, root: Path, name: str) -> _SlotStream:
         if once.acquire(blocking=False):  # exactly once, whichever way the response ends
             slots.release()
 
+    return release
+
+
+def tar_response(request: Request, root: Path, name: str) -> _SlotStream:
+    """``root`` as a streamed tar download named ``name.tar`` (everything under the folder ``name/``), holding one of
+    the web process's export slots while it streams."""
+    release = hold_export_slot(request)
     try:
         plan = tarstream.plan(root, name)
     except tarstream.UnsafeFolder as exc:
