@@ -255,6 +255,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0 if result.status == "succeeded" else 1
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .extras import require
+
+    require("worker", "collage export")
+    from .export_cli import export_command
+    from .progress import quiet_library_progress_bars
+
+    quiet_library_progress_bars()  # its own progress lines only
+    return export_command(args.run_id, args.step, args.merge_lora, args.out, quiet=args.quiet)
+
+
 def _cmd_runs(args: argparse.Namespace) -> int:
     from .runs_cli import run_command
 
@@ -390,6 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     token_link.add_argument("--server", help="the dashboard's base URL (default $COLLAGE_SERVER, else the `collage "
                             "serve` running on this COLLAGE_HOME, else http://127.0.0.1:8000)")  # fmt: skip
     token_link.set_defaults(func=_cmd_token_link)
+
+    export = commands.add_parser("export", help="a run's checkpoint as a plain transformers folder")
+    export.add_argument("run_id", metavar="RUN_ID", help="a run id in the store, or a `collage train` output folder")
+    export.add_argument("--step", default="last", help="a step number, best or last (default last)")
+    export.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into the base model's weights")
+    export.add_argument("--out", required=True, help="folder to write (must be new or empty)")
+    export.add_argument("--quiet", action="store_true", help="no progress lines")
+    export.set_defaults(func=_cmd_export)
 
     train = commands.add_parser("train", help="run one GRPO/RLOO run in the foreground, no server")
     train.add_argument("config", help="run config (YAML)")

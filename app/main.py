@@ -107,6 +107,9 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     from .routers import catalog, datasets, health, images, runs, samples, stats, tokens, workers
 
     routers = (health, runs, samples, stats, images, datasets, catalog, tokens, workers)
+    from .routers import checkpoints, exports  # a run's checkpoints, their downloads and export jobs (issue 18)
+
+    routers += (checkpoints, exports)
     for router in (module.router for module in routers):
         app.include_router(router, prefix=API)
 

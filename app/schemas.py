@@ -300,3 +300,55 @@ class HealthOut(BaseModel):
     store: dict[str, Any]
     broker: dict[str, Any]
     workers: list[dict[str, Any]]
+
+
+# --- checkpoints and exports (issue 18) ---------------------------------------------------------------------------
+
+
+class CheckpointOut(BaseModel):
+    step: int
+    attempt: int | None = Field(description="the attempt that wrote it (null: recorded before migration 0007)")
+    bytes: int | None = Field(description="size of its model folder (what a download or an export moves)")
+    created_at: datetime | None
+    kind: Literal["adapter", "full"] | None = Field(description="adapter: a LoRA adapter; full: the whole model")
+    metric: float | None = Field(description="train.metric_for_best_model's value at this step (null: none)")
+    best: bool = Field(description="the best checkpoint by metric_for_best_model and greater_is_better")
+    download_url: str
+
+
+class CheckpointList(BaseModel):
+    items: list[CheckpointOut]
+    metric_for_best_model: str | None = Field(description="the run's train.metric_for_best_model")
+    greater_is_better: bool = Field(description="whether a larger metric is better (TRL's default rule)")
+
+
+class ExportRequest(_Request):
+    """``POST /runs/{id}/exports``: which checkpoint, and whether to merge a LoRA adapter into the base weights."""
+
+    step: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)] | Literal["best", "last"] = Field(
+        "last", description="a step number, best or last"
+    )
+    merge_lora: bool = Field(False, description="merge a LoRA adapter into the base model (peft merge_and_unload)")
+
+
+class ExportCreated(BaseModel):
+    id: str
+    url: str
+
+
+class ExportOut(BaseModel):
+    id: str
+    run_id: str | None
+    status: str = Field(description="queued, running, cancelling, succeeded, failed or cancelled")
+    progress: float = Field(description="0..1")
+    message: str | None
+    error: str | None
+    queue_position: int | None = Field(description="1-based place among its queue's waiting jobs (null: not queued)")
+    step: int | None
+    merge_lora: bool
+    kind: str | None = Field(description="the exported checkpoint's kind (adapter, full), once it has succeeded")
+    bytes: int | None = Field(description="the exported folder's size, once it has succeeded")
+    created_at: datetime
+    finished_at: datetime | None
+    download_url: str | None = Field(description="the exported folder as a tar, once it has succeeded")
+    removed: str | None = Field(description="why the exported folder is gone (null: it is there, or not yet made)")
