@@ -63,6 +63,8 @@ def test_every_route_but_health_needs_a_token(api):
         ("POST", "/datasets/check"), ("GET", "/datasets/preview"), ("GET", "/rewards"), ("GET", "/models"),
         ("GET", "/tokens"), ("POST", "/tokens"), ("DELETE", "/tokens/x"), ("POST", "/tokens/x/link"), ("GET", "/audit"),
         ("PATCH", "/runs/x"), ("GET", "/runs/x/histogram"), ("GET", "/workers"), ("GET", "/runs/x/samples/count"),
+        ("GET", "/runs/x/checkpoints"), ("GET", "/runs/x/checkpoints/{step}/download"), ("POST", "/runs/x/exports"),
+        ("GET", "/exports/{job_id}"), ("GET", "/exports/{job_id}/download"), ("POST", "/exports/{job_id}/cancel"),
     ]  # fmt: skip
     documented = {(m, p.replace("{run_id}", "x").replace("{sha256}", "a" * 64).replace("{name}", "x")) for p, item in
                   app.openapi()["paths"].items() for m in item if p != f"{API}/health" for m in [m.upper()]}  # fmt: skip
@@ -608,7 +610,7 @@ def test_db_upgrade_and_token_create_cli(tmp_path):
     early = run("token", "create", "me")
     assert early.returncode == 2 and "collage db upgrade" in early.stderr
     up = run("db", "upgrade")
-    assert up.returncode == 0 and "is at migration 0006" in up.stdout
+    assert up.returncode == 0 and "is at migration 0007" in up.stdout
     assert run("db", "upgrade").returncode == 0  # idempotent
     made = run("token", "create", "me")
     assert made.returncode == 0 and made.stdout.strip().startswith("clg_") and "shown only this once" in made.stderr
