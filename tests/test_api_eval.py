@@ -122,7 +122,9 @@ def test_the_split_filter_keeps_eval_rollouts_apart_in_every_route(api):
     assert other.status_code == 400 and other.json()["detail"].startswith("cursor was made for the eval samples of")
     page = client.get(f"{API}/runs/{run}/samples", params={"limit": 5}).json()
     other = client.get(f"{API}/runs/{run}/samples", params={"cursor": page["next_cursor"], "split": "eval"})
-    assert other.status_code == 400 and other.json()["detail"].startswith("cursor was made for the train samples of")
+    assert other.status_code == 400 and other.json()["detail"].startswith(
+        f"cursor was made for the samples of run {run} sorted by step, not for the eval samples of run {run}"
+    )
 
     # a training step written again (a redelivery) replaces its training rows only, never its eval rows
     app.state.writer.append_samples(run, 2, _rows("train", 2, 1, 2))

@@ -74,7 +74,8 @@ def decode_cursor(cursor: str, key: bytes, scope: Sequence[str], size: int) -> l
 
 def _describe(scope: Any) -> str:
     if isinstance(scope, list) and len(scope) == 4 and scope[0] == "samples":
-        return f"the {scope[3]} samples of run {scope[1]} sorted by {scope[2]}"
+        rows = "eval samples" if scope[3] == "eval" else "samples"  # training rows: the samples, as ever
+        return f"the {rows} of run {scope[1]} sorted by {scope[2]}"
     return "the run list" if scope == ["runs"] else "another listing"
 
 
