@@ -60,6 +60,14 @@ class RunOut(BaseModel):
     parent_id: str | None
     created_by: str | None = Field(None, description="the name of the API token that created the run")
     latest_reward: float | None = None
+    eval_reward: float | None = Field(
+        None, description="the latest `eval/reward` (held-out evaluation); null when the run has none yet"
+    )
+    best_eval_reward: float | None = Field(
+        None,
+        description="the best `eval/reward` so far: the highest, or the lowest when the run ranks checkpoints by "
+        "eval/reward (train.metric_for_best_model) with train.greater_is_better false; null when it has none",
+    )
     url: str
     config: dict[str, Any] | None = None
     notes: str | None = Field(None, description="free text, editable after launch (PATCH /runs/{id})")
@@ -135,6 +143,11 @@ class SampleOut(BaseModel):
     group_std: float | None
     zero_std: bool
     dataset_row: int | None
+    split: str = Field(
+        "train",
+        description="`train` or `eval`. train: a rollout the policy was trained on; eval: a held-out evaluation rollout (`step` is the "
+        "step evaluated, `group` the held-out prompt's index in that evaluation, `advantage` 0)",
+    )
     columns: dict[str, str | int | float | bool | None] = Field(
         default_factory=dict,
         description="the dataset row's scalar columns besides the prompt and images (answer, ...); text cut at "

@@ -102,5 +102,6 @@ def sample_out(sample: Sample, shas: list[str], sizes: dict[str, tuple[int, int]
         group_std=sample.group_std,
         zero_std=sample.zero_std,
         dataset_row=sample.dataset_row,
+        split=sample.split,
         columns=sample.columns or {},
     )

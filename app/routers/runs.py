@@ -107,8 +107,11 @@ def list_runs(
     ids = [r.id for r in runs]
     tags = queries.run_tags(session, ids)
     rewards = queries.latest_metric(session, ids, "reward")
+    evals = queries.eval_rewards(session, runs)
     creators = creator_names(session, runs)
     items = [run_out(r, tags[r.id], rewards.get(r.id), creators=creators) for r in runs]
+    for item in items:
+        item.eval_reward, item.best_eval_reward = evals.get(item.id, (None, None))
     if not _is_admin(request):
         for item in items:
             item.error = public_error(item.error)
@@ -143,6 +146,7 @@ def get_run(request: Request, run_id: str, session: Annotated[Session, Depends(g
     tags = queries.run_tags(session, [run.id])[run.id]
     reward = queries.latest_metric(session, [run.id], "reward").get(run.id)
     out = run_out(run, tags, reward, with_config=True, creators=creator_names(session, [run]))
+    out.eval_reward, out.best_eval_reward = queries.eval_rewards(session, [run]).get(run.id, (None, None))
     out.notes = run.notes
     if _is_admin(request):
         out.error_detail = _error_detail(session, run)

@@ -24,6 +24,8 @@ from .common import get_run_or_404, get_session, sample_out
 
 INT_MAX = 2**31 - 1  # steps and counts are 32-bit integers in the store
 
+Split = Literal["train", "eval"]
+
 router = APIRouter(tags=["samples"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 
 
@@ -65,6 +67,10 @@ def sample_filters(
     min_images: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     max_images: Annotated[int | None, Query(ge=0, le=INT_MAX)] = None,
     q: Annotated[str | None, Query(max_length=200, description="text in the prompt or the completion")] = None,
+    split: Annotated[
+        Split,
+        Query(description="train: the rollouts trained on (default); eval: the held-out evaluation rollouts"),
+    ] = "train",
 ) -> queries.SampleFilters:
     """The rollout table's filters, the same for a page of rows and for their count."""
     return queries.SampleFilters(
@@ -82,6 +88,7 @@ def sample_filters(
         reward_name,
         dataset_row,
         group,
+        split,
     )
 
 
@@ -157,11 +164,12 @@ def check_reward_names(config: dict | None, sort: str, reward_name: str | None) 
 SAMPLE_COLUMNS = [
     "run_id", "step", "group", "index", "prompt", "completion", "images", "rewards", "reward", "advantage",
     "completion_length", "truncated", "num_images", "group_mean", "group_std", "zero_std", "dataset_row", "columns",
+    "split",
 ]  # fmt: skip
 
 
-def _sample_records(engine, run_id: str):
-    for row, shas in queries.iter_samples(engine, run_id):  # a short session per batch
+def _sample_records(engine, run_id: str, split: str):
+    for row, shas in queries.iter_samples(engine, run_id, split):  # a short session per batch
         yield {
             "run_id": row.run_id,
             "step": row.step,
@@ -181,6 +189,7 @@ def _sample_records(engine, run_id: str):
             "zero_std": row.zero_std,
             "dataset_row": row.dataset_row,
             "columns": row.columns or {},  # the dataset row's scalar columns (JSON text in CSV and Parquet)
+            "split": row.split,
         }
 
 
@@ -298,6 +307,7 @@ class _SlotStream(StreamingResponse):
     "/runs/{run_id}/export",
     responses={
         404: {"description": "no such run"},
+        422: {"model": ValidationErrorOut, "description": "a bad parameter (split with what=metrics)"},
         429: {"description": "too many exports at once; retry after the Retry-After header's seconds"},
         200: {"content": {"text/csv": {}, "application/x-ndjson": {}, "application/vnd.apache.parquet": {}}},
     },
@@ -307,8 +317,17 @@ def export(
     request: Request,
     what: Annotated[Literal["samples", "metrics"], Query()] = "samples",
     format: Annotated[Literal["csv", "jsonl", "parquet"], Query()] = "jsonl",
+    split: Annotated[
+        Split | None,
+        Query(description="what=samples only: train (default) or eval, the held-out evaluation rollouts"),
+    ] = None,
 ) -> StreamingResponse:
-    """Download every sample (images by SHA-256) or every metric of a run, streamed."""
+    """Download every sample of one split (images by SHA-256) or every metric of a run, streamed."""
+    if split is not None and what != "samples":
+        # metrics have no split (eval/* keys are metrics like the others): refused rather than ignored
+        raise HTTPException(422, [{"path": "query.split", "message": "applies to what=samples only: the metrics "
+                                   "export holds every key, eval/* included"}])  # fmt: skip
+    split = split or "train"
     engine = request.app.state.engine
     with Session(engine) as session:  # released before streaming: the stream reads in short sessions of its own
         run_id = get_run_or_404(session, run_id).id
@@ -326,9 +345,9 @@ def export(
             slots.release()
 
     try:
-        records = _sample_records(engine, run_id) if what == "samples" else _metric_records(engine, run_id)
+        records = _sample_records(engine, run_id, split) if what == "samples" else _metric_records(engine, run_id)
         columns = SAMPLE_COLUMNS if what == "samples" else ["run_id", "step", "key", "value"]
-        filename = f"{run_id}-{what}.{format}"
+        filename = f"{run_id}-{'eval-' if split == 'eval' else ''}{what}.{format}"
         if format == "csv":
             body, media = _csv(records, columns), "text/csv"
         elif format == "jsonl":

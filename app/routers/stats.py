@@ -13,6 +13,7 @@ from sqlmodel import Session, col
 from ..auth import UNAUTHORIZED, require_token
 from ..models import Sample
 from ..schemas import ErrorOut, ValidationErrorOut
+from ..store import queries
 from .common import get_run_or_404, get_session
 
 INT_MAX = 2**31 - 1  # steps are 32-bit integers in the store
@@ -34,8 +35,9 @@ COLUMNS = {
 class Histogram(BaseModel):
     run_id: str
     field: str
+    split: str = Field(description="train or eval: whose rollout rows were counted")
     step: int | None = Field(description="the step counted (the latest step with rollout rows if none was asked)")
-    steps: list[int] = Field(description="every step of the run that has rollout rows, ascending")
+    steps: list[int] = Field(description="every step of the run that has rollout rows of this split, ascending")
     edges: list[float] = Field(
         description="bin edges, len(counts) + 1; bin i is [edges[i], edges[i+1]), the last one closed"
     )
@@ -98,18 +100,22 @@ def histogram(
     bins: Annotated[
         int, Query(ge=1, le=BINS_MAX, description="number of bins (integer columns: at most this many, whole units)")
     ] = 20,
+    split: Annotated[
+        Literal["train", "eval"],
+        Query(description="train: the rollouts trained on (default); eval: the held-out evaluation rollouts"),
+    ] = "train",
 ) -> Histogram:
-    """A histogram of one rollout column at one step, with the steps that have rollout rows (for a step picker)."""
+    """A histogram of one rollout column at one step, with the steps that have rollout rows (for a step picker),
+    of one split: training rollouts, or evaluation rollouts (their steps are the evaluated steps)."""
     get_run_or_404(session, run_id)
+    of_split = (col(Sample.run_id) == run_id, queries.split_is(split, session.get_bind().dialect.name))
     steps = list(
-        session.execute(select(col(Sample.step)).where(col(Sample.run_id) == run_id).distinct().order_by(Sample.step))
-        .scalars()
-        .all()
+        session.execute(select(col(Sample.step)).where(*of_split).distinct().order_by(Sample.step)).scalars().all()
     )
     if step is None:
         if not steps:
             return Histogram(
-                run_id=run_id, field=field, step=None, steps=[], edges=[], counts=[], total=0, missing=0,
+                run_id=run_id, field=field, split=split, step=None, steps=[], edges=[], counts=[], total=0, missing=0,
                 min=None, max=None, mean=None,
             )  # fmt: skip
         step = steps[-1]
@@ -117,12 +123,13 @@ def histogram(
         have = f"steps with rows: {steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "the run has none yet"
         raise _bad("query.step", f"no rollout rows at step {step} ({have})")
     column = COLUMNS[field]
-    raw = session.execute(select(column).where(col(Sample.run_id) == run_id, col(Sample.step) == step)).scalars().all()
+    raw = session.execute(select(column).where(*of_split, col(Sample.step) == step)).scalars().all()
     values = [float(v) for v in raw if v is not None and math.isfinite(v)]
     edges, counts = bin_values(values, bins, field in INTEGER_FIELDS)
     return Histogram(
         run_id=run_id,
         field=field,
+        split=split,
         step=step,
         steps=steps,
         edges=edges,

@@ -74,8 +74,10 @@ const CollageCharts = (() => {
     if (flushTimer === null) flushTimer = setTimeout(() => { flushTimer = null; for (const c of dirty) c.update(); dirty.clear(); }, 80);
   }
 
-  // One chart. `series`: [{label, key, run, scale, color, dash, points: [[step, value], ...]}]; `key` and `run`
-  // say which metric of which run feeds the series live (see ingest), `scale` multiplies it (weighted rewards).
+  // One chart. `series`: [{label, key, run, scale, color, dash, faint, markers, points: [[step, value], ...]}];
+  // `key` and `run` say which metric of which run feeds the series live (see ingest), `scale` multiplies it
+  // (weighted rewards), `faint` draws it thin and pale (a reference: training beside evaluation), `markers` marks
+  // each of its points (a metric logged at some steps only, as evaluations are; the line joins them).
   class Chart {
     constructor(container, { key, title, series, before = null }) {
       this.key = key;
@@ -98,6 +100,16 @@ const CollageCharts = (() => {
       this.width = Math.max(280, Math.min(420, container.clientWidth / 2 - 24));
       registry.push(this);
       this.build();
+    }
+
+    // Another series at position `at` (default: last), drawn at once (the evaluation's per-image-count chart
+    // gains one, in count order, when a new count appears).
+    addSeries(series, at = this.series.length) {
+      const s = { scale: 1, color: this.series.length, ...series, values: new Map() };
+      for (const [x, y] of series.points || []) s.values.set(x, y === null ? null : y * s.scale);
+      this.series.splice(at, 0, s);
+      this.build();
+      return at;
     }
 
     steps() { return [...new Set(this.series.flatMap(s => [...s.values.keys()]))].sort((a, b) => a - b); }
@@ -157,12 +169,15 @@ const CollageCharts = (() => {
       const fg = () => css("--chart-axis") || css("--fg") || "#4b5563", line = () => css("--chart-grid") || css("--line") || "#e5e7eb";
       const uSeries = [{ label: "step", value: (u, v) => v === null ? "–" : String(v) }];
       for (const s of this.series) {
-        const base = { spanGaps: true, dash: s.dash, value: (u, v) => fmt(v) }, stroke = () => colour(s.color);
+        const base = { spanGaps: true, dash: s.dash, value: (u, v) => fmt(v) };
+        const stroke = s.faint ? () => faint(colour(s.color)) : () => colour(s.color);
+        // markers: every real point as a dot (on the raw values when smoothing draws a second line)
+        const marks = s.markers ? { points: { show: true, size: 7, width: 1.5, stroke, fill: stroke } } : {};
         if (smoothing > 0) {
-          uSeries.push({ ...base, label: s.label + " (raw)", stroke: () => faint(stroke()), width: 1, points: { show: false } });
-          uSeries.push({ ...base, label: s.label, stroke, width: 2.25 });
+          uSeries.push({ ...base, label: s.label + " (raw)", stroke: () => faint(stroke()), width: 1, points: { show: false }, ...marks });
+          uSeries.push({ ...base, label: s.label, stroke, width: s.faint ? 1.25 : 2.25, ...(s.markers ? { points: { show: false } } : {}) });
         } else {
-          uSeries.push({ ...base, label: s.label, stroke, width: 1.5 });
+          uSeries.push({ ...base, label: s.label, stroke, width: s.faint ? 1 : 1.5, ...marks });
         }
       }
       const box = this.box, log = this.log;

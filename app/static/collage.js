@@ -117,7 +117,9 @@ const Collage = (() => {
         return "\n" + indent + k + ":" + (block ? rendered : " " + rendered);
       }).join("");
     }
-    if (typeof value === "string") return /^[\w.:\/-]+$/.test(value) && !/^(true|false|null|[\d.e+-]+)$/i.test(value) ? value : JSON.stringify(value);
+    // quoted when bare it would read as another type: YAML 1.1 (PyYAML) also takes yes/no/on/off/y/n for booleans
+    // (eval_strategy: "no")
+    if (typeof value === "string") return /^[\w.:\/-]+$/.test(value) && !/^(true|false|null|yes|no|on|off|y|n|[\d.e+-]+)$/i.test(value) ? value : JSON.stringify(value);
     return String(value);
   }
 

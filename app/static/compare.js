@@ -1,6 +1,7 @@
 "use strict";
-// Compare runs: metrics overlaid (live while a run is going: its stream feeds its series), the config keys that
-// differ (every key on request), and one prompt (its images and answer) with each run's completions of it.
+// Compare runs: metrics overlaid (live while a run is going: its stream feeds its series), the held-out
+// evaluation's metrics in a section of their own, a filter over the charts, the config keys that differ (every key
+// on request), and one prompt (its images and answer) with each run's completions of it.
 (() => {
   const { api, el, num, PALETTE, promptNode } = Collage;
   const { Chart, bindSmoothing, parseEvent } = CollageCharts;
@@ -108,9 +109,20 @@
     draw();
   }
 
+  // Evaluation metrics (eval/*, logged at evaluation steps only) get their own section, each run's points marked
+  // and joined; every other key is a training chart. The chart filter shows the charts whose key contains its text.
+  const isEval = k => k.startsWith("eval/");
+  const filter = document.getElementById("chart-filter");
+  function showChart(chart) { chart.box.hidden = !!filter.value.trim() && !chart.key.includes(filter.value.trim()); }
+  filter.addEventListener("input", () => { for (const chart of charts.values()) showChart(chart); });
+
   function addChart(key, runs, metrics) {
-    const series = runs.map((r, i) => ({ label: r.name, key, run: r.id, color: i, points: metrics[i][key] || [] }));
-    charts.set(key, new Chart(document.getElementById("charts"), { key, series }));
+    const evaluation = isEval(key);
+    const series = runs.map((r, i) => ({ label: r.name, key, run: r.id, color: i, markers: evaluation, points: metrics[i][key] || [] }));
+    if (evaluation) document.getElementById("eval-section").hidden = false;
+    const chart = new Chart(document.getElementById(evaluation ? "eval-charts" : "charts"), { key, series });
+    charts.set(key, chart);
+    showChart(chart);
   }
 
   function legendItem(id) { return document.querySelector(`.legend li[data-run="${CSS.escape(id)}"]`); }
@@ -163,7 +175,7 @@
     const runs = await Promise.all(ids.map(id => api("/runs/" + id)));
     const metrics = await Promise.all(ids.map(id => api(`/runs/${id}/metrics`, { params: { max_points: 500 } })));
     const keys = [...new Set(metrics.flatMap(m => Object.keys(m)))].filter(shown).sort();
-    for (const key of ["reward", ...keys.filter(k => k !== "reward")]) {
+    for (const key of ["reward", "eval/reward", ...keys.filter(k => k !== "reward" && k !== "eval/reward")]) {
       if (keys.includes(key)) addChart(key, runs, metrics);
     }
     runs.forEach(r => showState(r.id, { status: r.status, ...r.progress }));

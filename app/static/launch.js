@@ -24,6 +24,7 @@
     const kind = input.dataset.kind || "text";
     const raw = input.type === "checkbox" ? input.checked : input.value.trim();
     if (kind === "bool") return input.checked;
+    if (kind === "optional-bool") return raw === "" ? null : raw === "true";  // auto / true / false
     if (kind === "list") return raw ? raw.split(",").map(s => s.trim()).filter(Boolean) : [];
     if (raw === "") return kind.startsWith("optional") ? null : undefined;
     if (kind.endsWith("int") || kind.endsWith("float")) { const n = Number(raw); return Number.isNaN(n) ? raw : n; }

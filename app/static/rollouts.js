@@ -3,7 +3,9 @@
 // grouped by prompt group with the group's mean/std and zero-variance flag; each row's dataset columns beside its
 // completion; an image gallery (arrow keys or j/k, Escape closes); a group view (one prompt, its completions side
 // by side, ranked by reward); live: new steps are announced, never pushed under the reader; every filter and the
-// sort live in the URL query under the API's own parameter names. Untrusted text is only ever shown as text.
+// sort live in the URL query under the API's own parameter names; a split selector shows the training rollouts
+// or the held-out evaluation's (split=eval: the table, count, group view, gallery and exports follow it). Untrusted
+// text is only ever shown as text.
 (() => {
   const { api, el, num, promptNode } = Collage;
   const ENDED = ["succeeded", "failed", "cancelled", "deleted"];
@@ -27,6 +29,10 @@
   let newestStep = 0;  // the newest step with rollout rows the page knows of
   let loadedTop = 0;   // ... and the newest one when the table was last loaded from the first page
   let group = null;    // {step, group} while the group view is open
+  const splitField = form.querySelector('[name="split"]');
+  const evaluation = () => splitField.value === "eval";
+  // filters that mean nothing for evaluation rollouts (no advantage, no learning signal): off while they are shown
+  const TRAIN_ONLY = ["advantage", "zero_std_groups"];
 
   // ------------------------------------------------------------------------------------- URL and filters
 
@@ -36,6 +42,7 @@
       if (String(value).trim() === "") continue;
       if (name === "step" && Number(value) <= 0) continue;  // the slider's 0 is "every step"
       if (name === "sort" && value === "step") continue;    // the API's default
+      if (name === "split" && value === "train") continue;  // the API's default
       p[name] = value;
     }
     return p;
@@ -65,6 +72,25 @@
   }
 
   function showStep() { stepOut.textContent = Number(slider.value) > 0 ? slider.value : "all"; }
+
+  // The split's look: the train-only filters disabled (a disabled field is not sent), the samples' export links
+  // for this split, the page's state for styles and tests.
+  function showSplit() {
+    const ev = evaluation();
+    for (const name of TRAIN_ONLY) {
+      const field = form.elements.namedItem(name);
+      field.disabled = ev;
+      field.closest("label").title = ev ? "evaluation rollouts have no advantage: this filter applies to training rollouts" : "";
+    }
+    root.dataset.split = splitField.value;
+    for (const link of document.querySelectorAll("a.export")) {
+      const url = new URL(link.getAttribute("href"), location.origin);
+      const samples = link.dataset.what === "samples";
+      if (samples && ev) url.searchParams.set("split", "eval"); else url.searchParams.delete("split");
+      link.href = url.pathname + url.search;
+      link.textContent = `${samples && ev ? "eval " : ""}${link.dataset.what}.${link.dataset.format}`;
+    }
+  }
 
   function clearErrors() {
     for (const slot of form.querySelectorAll(".field-error")) slot.textContent = "";
@@ -110,25 +136,32 @@
 
   function advClass(advantage) { return advantage > 0 ? "pos" : advantage < 0 ? "neg" : "zero"; }
 
+  const isEval = s => s.split === "eval";
+
   function groupRow(s) {
     const cols = 6 + rewardNames.length;
-    return el("tr", { class: "group" + (s.zero_std ? " zero-std" : ""), "data-step": s.step, "data-group": s.group }, el("td", { colspan: cols },
-      `step ${s.step} · group ${s.group} · mean ${num(s.group_mean)} · std ${num(s.group_std)}`,
-      s.zero_std ? el("span", { class: "badge", text: "zero variance: no learning signal" }) : null,
+    // an evaluation's "group" is a held-out prompt: no advantage, so no learning signal to flag
+    const head = isEval(s) ? `evaluated at step ${s.step} · held-out prompt ${s.group}` + (s.dataset_row === null ? "" : ` (row ${s.dataset_row})`)
+      : `step ${s.step} · group ${s.group} · mean ${num(s.group_mean)} · std ${num(s.group_std)}`;
+    return el("tr", { class: "group" + (s.zero_std && !isEval(s) ? " zero-std" : ""), "data-step": s.step, "data-group": s.group }, el("td", { colspan: cols },
+      head,
+      s.zero_std && !isEval(s) ? el("span", { class: "badge", text: "zero variance: no learning signal" }) : null,
       el("button", { type: "button", class: "link open-group", text: "view group side by side", onclick: () => openGroup(s.step, s.group) })));
   }
 
   // each number cell carries its column's name (data-label): on a narrow screen a row is a card and says it
   function sampleRow(s) {
-    return el("tr", { class: "sample", "data-id": s.id },
-      el("td", { class: "position-cell" }, el("button", { type: "button", class: "link position", title: "view this group side by side", text: `${s.step}·${s.group}·${s.index}`, onclick: () => openGroup(s.step, s.group) })),
+    return el("tr", { class: "sample" + (isEval(s) ? " eval" : ""), "data-id": s.id, "data-split": s.split },
+      el("td", { class: "position-cell" }, el("button", { type: "button", class: "link position", title: "view this group side by side", text: `${s.step}·${s.group}·${s.index}`, onclick: () => openGroup(s.step, s.group) }),
+        isEval(s) ? el("small", { class: "muted evaluated-at", text: `evaluated at step ${s.step}` }) : null),
       el("td", { class: "thumbs" }, thumbs(s.images)),
       el("td", { class: "prompt-cell" }, promptNode(s.prompt, s.images)),
       el("td", { class: "completion-cell" }, el("pre", { class: "completion", text: s.completion }), s.truncated ? el("span", { class: "badge", text: "truncated" }) : null,
         el("small", { class: "muted", text: ` ${s.completion_length} tokens` }), columnsNode(s.columns)),
       rewardNames.map(n => el("td", { class: "num", "data-reward": n, "data-label": n, text: num(s.rewards[n]) })),
       el("td", { class: "num total", "data-label": "reward", text: num(s.reward) }),
-      el("td", { class: "num advantage adv-" + advClass(s.advantage), "data-label": "advantage", text: num(s.advantage) }));
+      isEval(s) ? el("td", { class: "num advantage", "data-label": "advantage", title: "evaluation rollouts are not trained on: no advantage", text: "–" })
+        : el("td", { class: "num advantage adv-" + advClass(s.advantage), "data-label": "advantage", text: num(s.advantage) }));
   }
 
   // How many rows match the filters (GET .../samples/count, capped): asked once per filter change, not per page.
@@ -160,7 +193,7 @@
   async function load(append = false) {
     const mine = ++seq;
     const query = params();
-    if (!append) writeUrl();
+    if (!append) { writeUrl(); showSplit(); }
     let page;
     if (!append) { const { sort, ...filters } = query; loadTotal(filters); }  // a count has no order
     try {
@@ -241,7 +274,7 @@
     return el("dl", { class: "rewards" },
       rewardNames.flatMap(n => [el("dt", { text: n }), el("dd", { class: "num", "data-reward": n, text: num(s.rewards[n]) })]),
       el("dt", { text: "reward" }), el("dd", { class: "num total", text: num(s.reward) }),
-      el("dt", { text: "advantage" }), el("dd", { class: "num adv-" + advClass(s.advantage), text: num(s.advantage) }));
+      isEval(s) ? null : [el("dt", { text: "advantage" }), el("dd", { class: "num adv-" + advClass(s.advantage), text: num(s.advantage) })]);
   }
 
   async function openGroup(step, groupIndex) {
@@ -257,7 +290,7 @@
     groupView.replaceChildren(back, el("p", { class: "muted", text: "loading…" }));
     let page;
     try {
-      page = await api(`/runs/${runId}/samples`, { params: { step, group: groupIndex, sort: "-reward", limit: 500 } });
+      page = await api(`/runs/${runId}/samples`, { params: { step, group: groupIndex, sort: "-reward", limit: 500, split: splitField.value } });
     } catch (err) {
       if (group !== mine) return;
       groupView.replaceChildren(back, el("p", { class: "error", text: problems(err).map(p => p.message).join(" ") }));
@@ -270,11 +303,16 @@
       return;
     }
     const first = items[0];
+    const ev = isEval(first);
+    const rewards = items.map(s => s.reward).filter(r => r !== null);
+    const mean = ev ? (rewards.length ? rewards.reduce((a, b) => a + b, 0) / rewards.length : null) : first.group_mean;
+    groupView.dataset.split = first.split;
     groupView.replaceChildren(
       el("div", { class: "group-head" }, back,
-        el("h2", { text: `step ${step} · group ${groupIndex} · ${items.length} completions, ranked by reward` }),
-        el("span", { class: "muted", text: `mean ${num(first.group_mean)} · std ${num(first.group_std)}` + (first.dataset_row === null ? "" : ` · dataset row ${first.dataset_row}`) }),
-        first.zero_std ? el("span", { class: "badge", text: "zero variance: no learning signal" }) : null),
+        el("h2", { text: ev ? `evaluated at step ${step} · held-out prompt ${groupIndex} · ${items.length} completion${items.length === 1 ? "" : "s"}, ranked by reward`
+          : `step ${step} · group ${groupIndex} · ${items.length} completions, ranked by reward` }),
+        el("span", { class: "muted", text: (ev ? `mean reward ${num(mean)}` : `mean ${num(first.group_mean)} · std ${num(first.group_std)}`) + (first.dataset_row === null ? "" : ` · dataset row ${first.dataset_row}`) }),
+        first.zero_std && !ev ? el("span", { class: "badge", text: "zero variance: no learning signal" }) : null),
       el("div", { class: "group-prompt" },
         el("div", { class: "thumbs" }, thumbs(first.images)), promptNode(first.prompt, first.images), columnsNode(first.columns)),
       el("div", { class: "group-completions" }, items.map((s, rank) => el("article", { class: "group-completion adv-edge-" + advClass(s.advantage), "data-id": s.id },
@@ -298,7 +336,14 @@
   // --------------------------------------------------------------------------------------------- live
 
   function newSteps() {
+    if (evaluation()) return newestStep > loadedTop ? 1 : 0;
     return Math.floor(newestStep / samplesEvery) - Math.floor(loadedTop / samplesEvery);
+  }
+
+  // The newest step with rollout rows of a split (0 when none).
+  async function topStep(split) {
+    const page = await api(`/runs/${runId}/samples`, { params: { sort: "-step", limit: 1, split } });
+    return page.items.length ? page.items[0].step : 0;
   }
 
   let checking = false, again = false;
@@ -306,13 +351,16 @@
     if (checking) { again = true; return; }
     checking = true;
     try {
-      const page = await api(`/runs/${runId}/samples`, { params: { sort: "-step", limit: 1 } });
-      const top = page.items.length ? page.items[0].step : 0;
+      const split = splitField.value;
+      const top = await topStep(split);
+      if (split !== splitField.value) return;  // the split changed meanwhile: its own check follows
       if (top > newestStep) newestStep = top;
       if (Number(slider.max) < newestStep) slider.max = String(newestStep);
       const n = newSteps();
       if (n > 0) {
-        newButton.textContent = `${n} new step${n === 1 ? "" : "s"} with rollouts: show them`;
+        // evaluations come every eval_steps steps: say which step is new rather than count training steps
+        newButton.textContent = split === "eval" ? `new evaluation rollouts (step ${newestStep}): show them`
+          : `${n} new step${n === 1 ? "" : "s"} with rollouts: show them`;
         newBar.hidden = false;
       }
     } catch (err) {
@@ -349,7 +397,18 @@
     clearTimeout(timer);
     timer = setTimeout(() => load(), 250);
   });
-  form.addEventListener("change", e => { if (e.target.tagName === "SELECT") { clearTimeout(timer); load(); } });
+  form.addEventListener("change", async e => {
+    if (e.target.tagName !== "SELECT") return;
+    clearTimeout(timer);
+    if (e.target === splitField) {  // another split: its own newest step, and no group view of the other one
+      if (group) closeGroup();
+      newBar.hidden = true;
+      const split = splitField.value;
+      try { const top = await topStep(split); if (split === splitField.value) newestStep = top; } catch (err) { /* load() reports it */ }
+      if (split !== splitField.value) return;
+    }
+    load();
+  });
   form.addEventListener("submit", e => { e.preventDefault(); clearTimeout(timer); load(); });
   more.addEventListener("click", () => load(true));
   newButton.addEventListener("click", () => { if (group) closeGroup(); load(); });
@@ -368,8 +427,7 @@
     let run = null;
     try {
       run = await api("/runs/" + runId);
-      const top = await api(`/runs/${runId}/samples`, { params: { sort: "-step", limit: 1 } });
-      newestStep = top.items.length ? top.items[0].step : 0;
+      newestStep = await topStep(splitField.value);
       slider.max = String(Math.max(Number(slider.max), run.progress.step, newestStep, Number(slider.value)));
     } catch (err) {
       showErrors(err);

@@ -1,6 +1,8 @@
 "use strict";
 // The run page: status, progress and time left, a live chart per metric and one of every reward function's mean
-// and weighted contribution (server-sent events, no reload), a per-step completion-length histogram, events with
+// and weighted contribution (server-sent events, no reload), the held-out evaluation's metrics in a section of
+// their own (eval/reward over the training reward, the eval reward per number of images in one chart), a
+// per-step completion-length histogram, events with
 // warnings highlighted, editable tags and notes, and the run's buttons (cancel and delete ask first).
 (() => {
   const { api, el, duration, timeLeft } = Collage;
@@ -53,22 +55,92 @@
 
   // ---- charts
 
-  // The chart goes where its rank puts it among the charts already on the page.
-  function place(key) {
-    for (const [other, chart] of charts) if (rank(other) > rank(key) || (rank(other) === rank(key) && other.localeCompare(key) > 0)) return chart.box;
-    return null;
-  }
-  function resort() {  // the map in page order, so place() finds the first chart ranked after a new one
-    const sorted = [...charts.entries()].sort(([a], [b]) => rank(a) - rank(b) || a.localeCompare(b));
-    charts.clear();
-    for (const [k, c] of sorted) charts.set(k, c);
+  // Evaluation (eval/* keys, logged at evaluation steps only): charts of their own, in an "Evaluation" section
+  // beside the training ones. A metric with a training counterpart is drawn over it (the training values faint,
+  // every step; the evaluation's as points joined by a line); eval/by_images/<n>/reward, one per number of
+  // images in the prompt, share one chart with a series per count.
+  const isEval = k => k.startsWith("eval/");
+  const BY_IMAGES = "eval/by_images";
+  const byImages = k => /^eval\/by_images\/([^/]+)\/reward$/.exec(k)?.[1] ?? null;  // "3", "8+" or null
+  const chartOf = k => byImages(k) !== null ? BY_IMAGES : k;
+  const evalRank = k => k === "eval/reward" ? 0 : k === BY_IMAGES ? 1 : k.startsWith("eval/pass@") ? 2
+    : k.startsWith("eval/rewards/") ? 3 : k === "eval/completion_length" ? 4 : 5;
+  const twin = k => k === "eval/reward" ? "reward" : k === "eval/completion_length" ? "completions/mean_length"
+    : /^eval\/rewards\/.+\/mean$/.test(k) ? k.slice(5) : null;  // the training metric an eval metric is drawn over
+  const countOrder = n => parseInt(n, 10) + (n.endsWith("+") ? 0.5 : 0);
+  // one colour per count (0..7 exact, the last bucket "8+" dashed: the palette has 8 colours)
+  const countSeries = (key, points) => {
+    const n = byImages(key);
+    return { label: `${n} image${n === "1" ? "" : "s"}`, key, run: runId, markers: true, color: parseInt(n, 10),
+      dash: n.endsWith("+") ? [5, 3] : undefined, points };
+  };
+
+  const training = { charts, rank, box: () => chartsBox };
+  const evaluation = { charts: new Map(), rank: evalRank, box: evalBox };
+  const groupOf = chartKey => isEval(chartKey) ? evaluation : training;
+  let evalSection = null;
+  function evalBox() {  // the Evaluation section, made when the run's first eval metric arrives
+    if (!evalSection) {
+      evalSection = el("section", { id: "evaluation" },
+        el("div", { class: "toolbar chart-controls" }, el("h2", { text: "Evaluation" }),
+          el("small", { class: "muted", text: "held-out rows, at each evaluation step · training values faint for comparison" })),
+        el("div", { id: "eval-charts", class: "charts" }));
+      chartsBox.closest("section").after(evalSection);
+    }
+    return evalSection.querySelector("#eval-charts");
   }
 
-  function addChart(key, points) {
-    const chart = new Chart(chartsBox, { key, before: place(key), series: [{ label: key, key, run: runId, points }] });
-    charts.set(key, chart);
-    resort();
+  // The chart goes where its rank puts it among the charts already in its section.
+  function place(group, key) {
+    for (const [other, chart] of group.charts) if (group.rank(other) > group.rank(key) || (group.rank(other) === group.rank(key) && other.localeCompare(key) > 0)) return chart.box;
+    return null;
+  }
+  function resort(group) {  // the map in page order, so place() finds the first chart ranked after a new one
+    const sorted = [...group.charts.entries()].sort(([a], [b]) => group.rank(a) - group.rank(b) || a.localeCompare(b));
+    group.charts.clear();
+    for (const [k, c] of sorted) group.charts.set(k, c);
+  }
+  const byRank = group => (a, b) => group.rank(a) - group.rank(b) || a.localeCompare(b);
+
+  // What a training chart already holds of a metric (its history, for an eval chart made mid-run).
+  function known(key) {
+    const series = charts.get(key)?.series.find(s => s.key === key && s.scale === 1);
+    return series ? [...series.values] : [];
+  }
+
+  // The series of a new chart from `metrics` ({key: points}); for a by-images chart, one per count present.
+  function seriesFor(chartKey, metrics) {
+    if (chartKey === BY_IMAGES) {
+      return Object.keys(metrics).filter(k => byImages(k) !== null).sort((a, b) => countOrder(byImages(a)) - countOrder(byImages(b)))
+        .map(k => countSeries(k, metrics[k]));
+    }
+    if (!isEval(chartKey)) return [{ label: chartKey, key: chartKey, run: runId, points: metrics[chartKey] }];
+    const evalSeries = { label: chartKey, key: chartKey, run: runId, markers: true, color: 1, points: metrics[chartKey] };
+    const train = twin(chartKey);
+    if (!train) return [{ ...evalSeries, color: 0 }];
+    const history = new Map(known(train));  // made mid-run: the training chart's points, then this step's
+    for (const [x, y] of metrics[train] || []) history.set(x, y);
+    const points = [...history].sort((a, b) => a[0] - b[0]);
+    return [{ label: `${train} (training)`, key: train, run: runId, faint: true, color: 0, points }, evalSeries];
+  }
+
+  const TITLES = { "eval/reward": "eval/reward over the training reward", [BY_IMAGES]: "eval reward per image count" };
+
+  function addChart(chartKey, metrics) {
+    const group = groupOf(chartKey);
+    const chart = new Chart(group.box(), { key: chartKey, title: TITLES[chartKey], before: place(group, chartKey), series: seriesFor(chartKey, metrics) });
+    group.charts.set(chartKey, chart);
+    resort(group);
     return chart;
+  }
+
+  // A by-images count seen for the first time gets its series in the existing chart.
+  function addCount(key, points) {
+    const chart = evaluation.charts.get(BY_IMAGES);
+    if (!chart || chart.series.some(s => s.key === key)) return;
+    const order = countOrder(byImages(key));
+    const at = chart.series.findIndex(s => countOrder(byImages(s.key)) > order);
+    chart.addSeries(countSeries(key, points), at === -1 ? chart.series.length : at);
   }
 
   // Every reward function's mean with its weighted contribution (mean × weight from the config): the weighted
@@ -83,30 +155,37 @@
         { label: `${r.name} × ${weight}`, key, run: runId, color, dash: [6, 4], scale: weight, points: metrics[key] },
       ];
     });
-    const chart = new Chart(chartsBox, { key: OVERLAY, title: "reward functions: mean and weighted contribution", before: place(OVERLAY), series });
+    const chart = new Chart(chartsBox, { key: OVERLAY, title: "reward functions: mean and weighted contribution", before: place(training, OVERLAY), series });
     charts.set(OVERLAY, chart);
-    resort();
+    resort(training);
   }
 
   async function loadCharts() {
     const metrics = await api(`/runs/${runId}/metrics`, { params: { max_points: 1000 } });
-    const keys = Object.keys(metrics).filter(shown).sort((a, b) => rank(a) - rank(b) || a.localeCompare(b));
-    for (const key of keys) {
-      if (charts.has(key)) charts.get(key).setPoints(0, metrics[key]);
-      else addChart(key, metrics[key]);
+    for (const group of [training, evaluation]) {  // what the charts have: every series from the stored points
+      for (const chart of group.charts.values()) chart.series.forEach((s, i) => { if (s.key in metrics) chart.setPoints(i, metrics[s.key]); });
     }
+    const keys = Object.keys(metrics).filter(shown);
+    for (const key of keys.filter(k => !isEval(k)).sort(byRank(training))) if (!charts.has(key)) addChart(key, metrics);
+    for (const key of [...new Set(keys.filter(isEval).map(chartOf))].sort(byRank(evaluation))) if (!evaluation.charts.has(key)) addChart(key, metrics);
+    for (const key of keys.filter(k => byImages(k) !== null)) addCount(key, metrics[key]);
     addOverlay(metrics);
   }
 
   function onMetrics(step, values) {
-    const fresh = {};
-    for (const [key, value] of Object.entries(values)) {
+    const fresh = new Set(), counts = [];
+    for (const key of Object.keys(values)) {
       if (!shown(key)) continue;
-      if (!charts.has(key)) fresh[key] = [[step, value]];
+      const chartKey = chartOf(key);
+      if (!groupOf(chartKey).charts.has(chartKey)) fresh.add(chartKey);
+      else if (chartKey === BY_IMAGES && !evaluation.charts.get(BY_IMAGES).series.some(s => s.key === key)) counts.push(key);
     }
     CollageCharts.ingest(runId, step, values);
-    for (const key of Object.keys(fresh).sort((a, b) => rank(a) - rank(b) || a.localeCompare(b))) addChart(key, fresh[key]);
-    if (!charts.has(OVERLAY)) addOverlay(Object.fromEntries(Object.entries(values).map(([k, v]) => [k, [[step, v]]])));
+    const points = Object.fromEntries(Object.entries(values).map(([k, v]) => [k, [[step, v]]]));
+    for (const chartKey of [...fresh].filter(k => !isEval(k)).sort(byRank(training))) addChart(chartKey, points);
+    for (const chartKey of [...fresh].filter(isEval).sort(byRank(evaluation))) addChart(chartKey, points);
+    for (const key of counts) addCount(key, points[key]);
+    if (!charts.has(OVERLAY)) addOverlay(points);
   }
 
   // ---- events, stream

@@ -1,6 +1,6 @@
 "use strict";
 // The runs table: filters, auto-refresh that updates rows in place (the scroll position never jumps), a queued
-// run's place in its queue, and selection for comparing.
+// run's place in its queue, the latest and best held-out evaluation reward, and selection for comparing.
 (() => {
   const { api, el, num, when, duration, timeLeft, sparkline } = Collage;
   const body = document.getElementById("runs-body");
@@ -31,6 +31,9 @@
       el("td", { text: run.dataset }),
       el("td", {}, progress, el("small", { text: `${step}/${max_steps}` + (left !== null ? ` · ${duration(left)} left` : "") })),
       el("td", { class: "reward" }, el("span", { text: num(run.latest_reward) }), el("span", { class: "spark-slot" })),
+      // held-out evaluation: "–" for a run without one (yet)
+      el("td", { class: "num eval-reward", "data-label": "eval reward", text: num(run.eval_reward) }),
+      el("td", { class: "num best-eval", "data-label": "best eval", text: num(run.best_eval_reward) }),
       el("td", { text: run.tags.join(", ") }),
       el("td", { text: when(run.created_at) }),
       el("td", { text: when(run.finished_at) }),

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
 
-from sqlalchemy import Float, and_, func, literal, or_, select, tuple_, type_coerce
+from sqlalchemy import Float, and_, func, literal, literal_column, or_, select, tuple_, type_coerce
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -73,8 +73,9 @@ def decode_cursor(cursor: str, key: bytes, scope: Sequence[str], size: int) -> l
 
 
 def _describe(scope: Any) -> str:
-    if isinstance(scope, list) and len(scope) == 3 and scope[0] == "samples":
-        return f"the samples of run {scope[1]} sorted by {scope[2]}"
+    if isinstance(scope, list) and len(scope) == 4 and scope[0] == "samples":
+        rows = "eval samples" if scope[3] == "eval" else "samples"  # training rows: the samples, as ever
+        return f"the {rows} of run {scope[1]} sorted by {scope[2]}"
     return "the run list" if scope == ["runs"] else "another listing"
 
 
@@ -106,6 +107,46 @@ def latest_metric(session: Session, run_ids: Sequence[str], key: str) -> dict[st
         )
     )
     return {run_id: value for run_id, value in rows}
+
+
+EVAL_REWARD = "eval/reward"
+
+
+def eval_reward_greater_is_better(config: dict[str, Any] | None) -> bool:
+    """Whether a run's best ``eval/reward`` is its highest (else its lowest). A reward is maximised, so the
+    highest, unless the run ranks its checkpoints by ``eval/reward`` itself (``train.metric_for_best_model``)
+    with ``train.greater_is_better: false``: then "best" means what its checkpoints' ``best`` means.
+    ``greater_is_better`` set for another metric says nothing about the reward."""
+    train = (config or {}).get("train") or {}
+    return not (train.get("metric_for_best_model") == EVAL_REWARD and train.get("greater_is_better") is False)
+
+
+def eval_rewards(session: Session, runs: Sequence[Run]) -> dict[str, tuple[float | None, float | None]]:
+    """``{run_id: (latest, best)}`` of ``eval/reward`` for a page of runs, in one grouped query (the metrics'
+    primary key (run_id, key, step) serves it: a range per run). Runs without the metric are absent; a value
+    logged as NaN is stored as null and counts for neither."""
+    if not runs:
+        return {}
+    ids = [r.id for r in runs]
+    summary = (
+        select(
+            Metric.run_id,
+            func.max(Metric.step).label("step"),
+            func.max(Metric.value).label("high"),
+            func.min(Metric.value).label("low"),
+        )
+        .where(Metric.run_id.in_(ids), Metric.key == EVAL_REWARD)
+        .group_by(Metric.run_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(summary.c.run_id, Metric.value, summary.c.high, summary.c.low).join(
+            Metric,
+            and_(Metric.run_id == summary.c.run_id, Metric.key == EVAL_REWARD, Metric.step == summary.c.step),
+        )
+    )
+    greater = {r.id: eval_reward_greater_is_better(r.config) for r in runs}
+    return {run_id: (latest, high if greater[run_id] else low) for run_id, latest, high, low in rows}
 
 
 def list_runs(
@@ -197,6 +238,11 @@ class SampleFilters:
     reward_name: str | None = None  # min_reward / max_reward bound this reward function's value, not the total
     dataset_row: int | None = None
     group: int | None = None
+    split: str = "train"  # train | eval: training rollouts, or held-out evaluation rollouts (never both at once)
+
+
+SPLITS = ("train", "eval")
+EVAL_LIKELIHOOD = 0.01  # the share of a run's rollout rows SQLite's planner assumes are eval rows
 
 
 def reward_names(config: dict[str, Any] | None) -> list[str]:
@@ -245,7 +291,22 @@ def sort_column(name: str, dialect: str):
     return SORTS[name]
 
 
+def split_is(split: str, dialect: str):
+    """The rows of one split. An eval query should read its rows through ``ix_samples_split`` (run_id, split,
+    step, id): PostgreSQL's per-value statistics know eval rows are a small part of a run's rows and choose it;
+    SQLite's statistics hold one average row count per (run, split), blind to that, and would walk a sort's index
+    (``ix_samples_reward``, ...) through the run's training rows to fill a page of eval rows. ``likelihood()``
+    (a no-op at run time) tells SQLite's planner how rare the term is, so it takes the split index."""
+    if split not in SPLITS:  # the routes validate it: another value here is a programming error, not "no rows"
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    term = Sample.split == split
+    if dialect == "sqlite" and split == "eval":
+        return func.likelihood(term, literal_column(repr(EVAL_LIKELIHOOD), Float()))  # a constant, not a parameter
+    return term
+
+
 def _apply_filters(stmt, f: SampleFilters, dialect: str):
+    stmt = stmt.where(split_is(f.split, dialect))
     if f.step is not None:
         stmt = stmt.where(Sample.step == f.step)
     if f.group is not None:
@@ -292,11 +353,11 @@ def query_samples(
     key: bytes,
 ) -> tuple[list[Sample], dict[int, list[str]], str | None]:
     """A page of samples, their image hashes in order, and the cursor of the next page (signed with ``key``,
-    valid only for this run and sort order)."""
+    valid only for this run, split and sort order)."""
     name, descending = parse_sort(sort)
     dialect = session.get_bind().dialect.name
     column = sort_column(name, dialect)
-    scope = ["samples", run_id, f"-{name}" if descending else name]
+    scope = ["samples", run_id, f"-{name}" if descending else name, filters.split]
     stmt = select(Sample, column.label("sort_value")).where(Sample.run_id == run_id)
     stmt = _apply_filters(stmt, filters, dialect)
     if cursor:
@@ -348,14 +409,21 @@ def image_shas(session: Session, sample_ids: Sequence[int]) -> dict[int, list[st
     return images
 
 
-def iter_samples(engine: Engine, run_id: str, batch: int = 1000) -> Iterator[tuple[Sample, list[str]]]:
-    """Every sample of a run in (step, id) order with its image hashes, streamed in batches. Each batch is read
-    in its own short session, closed before its rows are handed out: a slow download holds no connection."""
+def iter_samples(
+    engine: Engine, run_id: str, split: str = "train", batch: int = 1000
+) -> Iterator[tuple[Sample, list[str]]]:
+    """Every sample of a run's ``split`` in (step, id) order with its image hashes, streamed in batches (the
+    index ``ix_samples_split`` serves the order). Each batch is read in its own short session, closed before its
+    rows are handed out: a slow download holds no connection."""
     last = (-1, -1)
     while True:
         stmt = (
             select(Sample)
-            .where(Sample.run_id == run_id, tuple_(Sample.step, Sample.id) > tuple_(literal(last[0]), literal(last[1])))
+            .where(
+                Sample.run_id == run_id,
+                split_is(split, engine.dialect.name),
+                tuple_(Sample.step, Sample.id) > tuple_(literal(last[0]), literal(last[1])),
+            )
             .order_by(Sample.step, Sample.id)
             .limit(batch)
         )

@@ -14,7 +14,8 @@ from collage.training import config
 from collage.training.config import RunConfig
 
 HELP: dict[str, tuple[str, str]] = {
-    # path: (help, kind) - kind: text | int | float | bool | choice | optional-int | optional-float
+    # path: (help, kind) - kind: text | int | float | bool | choice | optional-int | optional-float |
+    # optional-text (empty = null) | optional-bool (a select: empty = null, true, false)
     "name": ("A readable name; generated from dataset, algorithm and model when empty.", "text"),
     "tags": ("Comma-separated tags to filter runs by.", "text"),
     "model.dtype": ("Weights' dtype: auto keeps the checkpoint's.", "choice"),
@@ -24,6 +25,21 @@ HELP: dict[str, tuple[str, str]] = {
     "dataset.min_images": ("synth:<task> only: fewest images per row; 0 mixes text-only rows in.", "int"),
     "dataset.max_images": ("synth:<task> only: most images per row.", "int"),
     "dataset.seed": ("synth:<task> only: the dataset's seed.", "int"),
+    "dataset.eval_split": (
+        "Held-out data for evaluation: another split of the source (e.g. test of a DatasetDict); for synth:<task>, "
+        "any name gives the same task from another seed. Empty = none (TRL: eval_dataset).",
+        "optional-text",
+    ),
+    "dataset.eval_source": (
+        "Held-out data from another dataset (a path or hub id, like source); its split is eval_split, default "
+        "train. Empty = none.",
+        "optional-text",
+    ),
+    "dataset.eval_fraction": (
+        "Held-out data from the training split: this fraction of its rows (0..1, a deterministic slice by the "
+        "dataset seed) is never trained on, only evaluated. Not with eval_split or eval_source. Empty = none.",
+        "optional-float",
+    ),
     "train.max_steps": ("Optimizer steps to run (TRL: max_steps).", "int"),
     "train.learning_rate": ("AdamW learning rate (TRL: learning_rate).", "float"),
     "train.per_device_train_batch_size": (
@@ -144,6 +160,57 @@ HELP: dict[str, tuple[str, str]] = {
     "train.gradient_checkpointing": ("Trade compute for memory (TRL: gradient_checkpointing).", "bool"),
     "train.seed": ("Seed of sampling and data order.", "int"),
     "train.save_steps": ("Checkpoint every N steps; 0 = only at the end (and on cancel).", "int"),
+    "train.save_total_limit": (
+        "Keep only the newest N checkpoints, never deleting the newest nor the best by metric_for_best_model; "
+        "empty = keep all; needs save_steps > 0 (TRL: save_total_limit).",
+        "optional-int",
+    ),
+    "train.metric_for_best_model": (
+        "The metric that ranks checkpoints for best (e.g. eval/reward: with eval_strategy steps and save_steps a "
+        "multiple of eval_steps); empty = none (TRL: metric_for_best_model).",
+        "optional-text",
+    ),
+    "train.greater_is_better": (
+        "Whether a higher metric_for_best_model is better; auto = yes unless its name ends in loss (TRL: "
+        "greater_is_better).",
+        "optional-bool",
+    ),
+    "train.eval_strategy": (
+        "Evaluate on the held-out data (a dataset eval_* key) every eval_steps steps, or never (TRL: eval_strategy; "
+        "epoch is not offered: runs count steps).",
+        "choice",
+    ),
+    "train.eval_steps": (
+        "Optimizer steps between evaluations; empty = about ten per run, every ceil(max_steps / 10) (TRL: eval_steps).",
+        "optional-int",
+    ),
+    "train.eval_on_start": (
+        "Also evaluate the initial model, at step 0: the baseline the curve starts from (TRL: eval_on_start).",
+        "bool",
+    ),
+    "train.per_device_eval_batch_size": (
+        "Completions per evaluation batch and process, a multiple of eval_num_generations; empty = "
+        "per_device_train_batch_size (TRL: per_device_eval_batch_size).",
+        "optional-int",
+    ),
+    "train.eval_num_generations": (
+        "Completions per held-out prompt; eval/pass@k is reported for k = 1 and this (TRL: num_generations_eval).",
+        "int",
+    ),
+    "train.eval_temperature": (
+        "Sampling temperature of the evaluation; empty = greedy with one completion per prompt, else temperature.",
+        "optional-float",
+    ),
+    "train.eval_max_rows": (
+        "Held-out prompts per evaluation (the first N); empty = all of them.",
+        "optional-int",
+    ),
+    "train.eval_pass_reward": (
+        "The reward whose value decides eval/pass@k (a completion passes at >= eval_pass_threshold); empty = "
+        "accuracy when the run has it.",
+        "optional-text",
+    ),
+    "train.eval_pass_threshold": ("The pass reward's value at which a completion passes (eval/pass@k).", "float"),
     "train.weight_decay": ("AdamW weight decay.", "float"),
     "train.max_grad_norm": ("Gradient clipping norm.", "float"),
     "train.lr_scheduler_type": ("Learning-rate schedule.", "choice"),
@@ -169,6 +236,24 @@ LOSS_SECTION = {
         "delta",
         *config.GRPO_ONLY,
         *config.RLOO_ONLY,
+    )
+}
+# evaluation and checkpoint retention get their own card ("eval" section); the held-out data stays with the dataset
+EVAL_SECTION = {
+    f"train.{key}"
+    for key in (
+        "save_total_limit",
+        "metric_for_best_model",
+        "greater_is_better",
+        "eval_strategy",
+        "eval_steps",
+        "eval_on_start",
+        "per_device_eval_batch_size",
+        "eval_num_generations",
+        "eval_temperature",
+        "eval_max_rows",
+        "eval_pass_reward",
+        "eval_pass_threshold",
     )
 }
 # keys whose default depends on the algorithm: the form leaves them empty (= that algorithm's default)
@@ -218,6 +303,15 @@ def gpus_default(workers: list[dict[str, Any]], queue: str | None = None) -> int
     return min(len(w.get("gpu_slots") or []) for w in serving)
 
 
+def _section(path: str) -> str:
+    """The form's card of a field: loss, eval, or its config section (run for the top-level keys)."""
+    if path in LOSS_SECTION:
+        return "loss"
+    if path in EVAL_SECTION:
+        return "eval"
+    return path.partition(".")[0] if "." in path else "run"
+
+
 def form_fields(gpus: int | None = None) -> list[FormField]:
     """Every field of the form; ``gpus`` (from :func:`gpus_default`) replaces ``resources.gpus``'s default."""
     defaults = RunConfig(name="x")
@@ -238,7 +332,7 @@ def form_fields(gpus: int | None = None) -> list[FormField]:
                 help=help_text,
                 choices=_choices(path) if kind == "choice" else [],
                 algorithm=algorithm,
-                section="loss" if path in LOSS_SECTION else path.partition(".")[0] if "." in path else "run",
+                section=_section(path),
             )
         )
     return fields
