@@ -95,6 +95,16 @@ class SampleIn:
     split: str = "train"  # or "eval": a held-out evaluation rollout
 
 
+SPLITS = ("train", "eval")
+
+
+def _split_of(row: Any) -> str:
+    split = getattr(row, "split", "train")
+    if split not in SPLITS:  # the API types a row's split as one of these: a bad one must never reach the table
+        raise ValueError(f"a rollout row's split must be one of {SPLITS}, got {split!r}")
+    return split
+
+
 def prompt_text(prompt: Any) -> str:
     """Plain text of a prompt, for search."""
     if isinstance(prompt, str):
@@ -409,7 +419,7 @@ class StoreWriter:
                     "zero_std": std is not None and abs(std) < 1e-8,
                     "dataset_row": getattr(row, "dataset_row", getattr(row, "row", None)),
                     "columns": columns or None,
-                    "split": getattr(row, "split", "train"),
+                    "split": _split_of(row),
                 }
             )
         note = f"step {step}: {nul_note(nuls, 'rollout text')}" if nuls else None
