@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import pickle
 import random
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +53,79 @@ def checkpoint_dir(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"step-{step}"
 
 
-def latest_checkpoint(out: Path) -> Path | None:
+def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in ``out/checkpoints/``, oldest first, as ``(step, folder)``: real folders and the
+    links a resumed worker attempt makes to an earlier attempt's checkpoints (a link whose folder is gone, or a
+    folder a crash left without its trainer state, is not a checkpoint)."""
     folder = out / "checkpoints"
     if not folder.is_dir():
-        return None
+        return []
     found = []
     for child in folder.iterdir():
         match = re.fullmatch(r"step-(\d+)", child.name)
         if match and (child / STATE_FILE).is_file():
             found.append((int(match.group(1)), child))
-    return max(found)[1] if found else None
+    return sorted(found)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = list_checkpoints(out)
+    return found[-1][1] if found else None
+
+
+def checkpoints_up_to(newest: Path) -> list[Path]:
+    """Every checkpoint of the run folder that holds ``newest`` (its own and those it links to), up to ``newest``'s
+    step, as real folders, oldest first, ``newest`` last. A resumed attempt links them all, so that
+    ``train.save_total_limit`` counts and removes an earlier attempt's checkpoints too; a checkpoint past ``newest``
+    was never recorded as written (a crash came first) and is left out, as resume leaves it out."""
+    match = re.fullmatch(r"step-(\d+)", newest.name)
+    if match is None:
+        return [newest]
+    last = int(match.group(1))
+    found = [path.resolve() for step, path in list_checkpoints(newest.parent.parent) if step < last]
+    return [*found, newest.resolve()]
+
+
+# ------------------------------------------------------------------------------------------------ retention
+def best_checkpoint(checkpoints: Sequence[tuple[int, float | None]], greater_is_better: bool = True) -> int | None:
+    """The step of the best checkpoint by its metric (``None``/NaN: no metric, never the best); the earliest of
+    equal values, as TRL keeps the first checkpoint that reached a value. ``None`` when none has a metric."""
+    best: tuple[int, float] | None = None
+    for step, value in sorted(checkpoints):
+        if value is None or math.isnan(value):
+            continue
+        if best is None or (value > best[1] if greater_is_better else value < best[1]):
+            best = (step, value)
+    return None if best is None else best[0]
+
+
+def checkpoints_to_remove(
+    checkpoints: Sequence[tuple[int, float | None]], limit: int | None, greater_is_better: bool = True
+) -> list[int]:
+    """The steps ``train.save_total_limit`` deletes from ``checkpoints`` (``(step, metric at that step)``): all but
+    the newest ``limit`` and the best by the metric (see :func:`best_checkpoint`), so at most ``limit + 1`` stay
+    (the newest ``limit`` and an older best). Nothing is removed without a limit."""
+    if limit is None:
+        return []
+    steps = sorted({step for step, _ in checkpoints})
+    keep = set(steps[-limit:])
+    best = best_checkpoint(checkpoints, greater_is_better)
+    if best is not None:
+        keep.add(best)
+    return [step for step in steps if step not in keep]
+
+
+def remove_checkpoint(path: Path) -> Path:
+    """Delete the checkpoint ``path`` and return the folder that held it: a link an attempt made to an earlier
+    attempt's checkpoint goes with that folder (the link last, so a crash in between leaves a dangling link, which
+    is no checkpoint, rather than an unlisted folder)."""
+    if path.is_symlink():
+        target = path.resolve()
+        shutil.rmtree(target, ignore_errors=True)
+        path.unlink(missing_ok=True)
+        return target
+    shutil.rmtree(path, ignore_errors=True)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------- writing
@@ -111,7 +176,7 @@ def save_checkpoint(
     state: dict[str, Any],
     rank_rng: list[dict[str, Any]],
     kind: str = "full",
-    metric: tuple[str, float] | None = None,
+    metric: tuple[str, float | None] | None = None,
 ) -> tuple[Path, int]:
     """Write ``checkpoints/step-<step>/`` via a temporary folder, so a crash never leaves half a checkpoint; returns
     the folder and the size of its ``model/`` (what a download or export moves). ``checkpoint.json`` beside it says
@@ -131,9 +196,11 @@ def save_checkpoint(
         with open(tmp / STATE_FILE, "wb") as fh:
             torch.save({**state, "rng": rank_rng}, fh, pickle_module=_PickleModule)
         size = folder_bytes(tmp / "model")
-        info = {"step": step, "kind": kind, "bytes": size, "metric": None, "metric_value": None}
+        info: dict[str, Any] = {"step": step, "kind": kind, "bytes": size, "metric": None, "metric_value": None}
         if metric is not None:
-            info["metric"], info["metric_value"] = metric
+            name, value = metric
+            info["metric"] = name
+            info["metric_value"] = None if value is None or math.isnan(value) else float(value)  # JSON has no NaN
         (tmp / INFO_FILE).write_text(json.dumps(info), encoding="utf-8")
         private_tree(tmp)  # what transformers and safetensors wrote follows the umask; the checkpoint does not
     except BaseException as exc:
@@ -142,7 +209,11 @@ def save_checkpoint(
         if full_disk_error(exc) is not None or (left is not None and left.free < FULL_BELOW):
             raise DiskFull(final, "writing the checkpoint", left) from exc
         raise
-    if final.exists():
+    if final.is_symlink():
+        # a resumed attempt rewriting the step it resumed from: the link to the earlier attempt's folder goes, that
+        # folder stays as it was (an attempt never writes into another's folder)
+        final.unlink()
+    elif final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final, size
