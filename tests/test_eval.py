@@ -452,7 +452,8 @@ def test_held_out_data_from_an_api_client_is_confined_like_the_training_data(api
     assert response.status_code == 422, response.text
     paths = {e["path"] for e in response.json()["detail"]}
     assert {"dataset.eval_source", "dataset.eval_split"} <= paths
-    settings = Settings(home=tmp_path_factory.mktemp("home"), database_url="sqlite://", broker_url="memory://")
+    home = tmp_path_factory.mktemp("home")
+    settings = Settings(home=home, database_url="sqlite://", broker_url="memory://", artifacts=home / "a")
     worker_check = [path for path, _ in config_violations(parse_config(body), settings)]
     assert worker_check == ["dataset.eval_source", "dataset.eval_split"]  # the worker child's check, before training
     body["dataset"] = {"source": "synth:count-red", "eval_split": "test"}
