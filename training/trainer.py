@@ -252,13 +252,14 @@ class Trainer:
     def _load_heldout(self, split: LoadedDataset) -> HeldOut | None:
         """The held-out rows (``dataset.eval_split`` / ``eval_source`` / ``eval_fraction``), read and confined like
         the training rows; None when the config names none."""
-        d = self.config.dataset
+        d, t = self.config.dataset, self.config.train
+        if t.eval_strategy == "no" and not t.eval_on_start and d.eval_fraction is None:
+            return None  # held-out data named but never evaluated: nothing to read (eval_fraction still holds out)
         try:
-            heldout = load_heldout(d, split, self.config.train.eval_max_rows, self.data_roots)
+            heldout = load_heldout(d, split, t.eval_max_rows, self.data_roots)
         except (DatasetError, ValueError) as exc:  # a synthetic task's bad options are ValueErrors (SynthError)
-            key = "dataset.eval_fraction" if d.eval_fraction is not None else (
-                "dataset.eval_source" if d.eval_source is not None else "dataset.eval_split")  # fmt: skip
-            raise TrainingError(f"{key}: {exc}") from None
+            named = [k for k in ("eval_fraction", "eval_source", "eval_split") if getattr(d, k) is not None]
+            raise TrainingError(f"dataset.{named[0]}: {exc}") from None
         if heldout is not None and heldout.held_rows is not None and len(heldout.held_rows) >= len(split):
             raise TrainingError(
                 f"dataset.eval_fraction: {d.eval_fraction} of {len(split)} rows holds out every row: nothing is left "
@@ -488,15 +489,7 @@ class Trainer:
                 ref_logps = self._batched_logps(self.ref_model, batch, self._scope("reference"))
 
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
-        columns = {k: [s.columns.get(k) for s in repeated] for k in sorted({k for s in repeated for k in s.columns})}
-        reward_batch = RewardBatch(
-            prompts=[s.prompt for s in repeated],
-            completions=texts,
-            completion_ids=completions.ids,
-            images=[s.images for s in repeated],
-            columns=columns,
-            rows=[s.row for s in repeated],
-        )
+        reward_batch = _reward_batch(repeated, texts, completions.ids)
         tic = time.perf_counter()
         local = torch.tensor(score(self.rewards, reward_batch), dtype=torch.float32, device=device)
         self.timings["timing/rewards"] += time.perf_counter() - tic
@@ -719,15 +712,7 @@ class Trainer:
             )
         repeated = [s for s in samples for _ in range(g)]
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
-        columns = {k: [s.columns.get(k) for s in repeated] for k in sorted({k for s in repeated for k in s.columns})}
-        reward_batch = RewardBatch(
-            prompts=[s.prompt for s in repeated],
-            completions=texts,
-            completion_ids=completions.ids,
-            images=[s.images for s in repeated],
-            columns=columns,
-            rows=[s.row for s in repeated],
-        )
+        reward_batch = _reward_batch(repeated, texts, completions.ids)
         values = score(self.rewards, reward_batch)
         names = [r.name for r in self.rewards]
         weights = [r.weight for r in self.rewards]
@@ -783,7 +768,10 @@ class Trainer:
         h = self.heldout
         if h is None:
             return
-        callbacks.on_event("info", f"{h.key}: evaluation data is {h.description}; {len(h)} rows evaluated each time")
+        if self.config.train.eval_strategy != "no" or self.config.train.eval_on_start:
+            callbacks.on_event(
+                "info", f"{h.key}: evaluation data is {h.description}; {len(h)} rows evaluated each time"
+            )
         if h.dropped:
             callbacks.on_event(
                 "info",
@@ -1227,6 +1215,19 @@ def option_warnings(config: RunConfig) -> list[str]:
             "standardises the summed rewards over the batch)"
         )
     return out
+
+
+def _reward_batch(repeated: list[Sample], texts: list[str], completion_ids: list[list[int]]) -> RewardBatch:
+    """What the reward functions see for these completions (each sample repeated once per completion)."""
+    columns = {k: [s.columns.get(k) for s in repeated] for k in sorted({k for s in repeated for k in s.columns})}
+    return RewardBatch(
+        prompts=[s.prompt for s in repeated],
+        completions=texts,
+        completion_ids=completion_ids,
+        images=[s.images for s in repeated],
+        columns=columns,
+        rows=[s.row for s in repeated],
+    )
 
 
 def _id_list(ids: Sequence[int], most: int = 200) -> str:
