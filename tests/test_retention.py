@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,6 @@ from collage.app.models import Checkpoint, Run
 from collage.app.store.writer import StoreWriter
 from collage.training.checkpoint import (
     STATE_FILE,
-    best_checkpoint,
-    checkpoints_to_remove,
     checkpoints_up_to,
     latest_checkpoint,
     list_checkpoints,
@@ -26,6 +26,7 @@ from collage.training.checkpoint import (
     save_checkpoint,
 )
 from collage.training.output import OutputFolder
+from collage.training.retention import best_checkpoint, checkpoints_to_remove
 from collage.training.trainer import Trainer
 from collage.worker.child import link_checkpoint
 from collage.worker.store_callback import StoreCallback
@@ -61,6 +62,13 @@ def test_checkpoints_without_a_metric_are_never_the_best():
     assert checkpoints_to_remove(values, 1) == [1, 2, 4]
     assert best_checkpoint([(1, None), (2, math.nan)]) is None
     assert checkpoints_to_remove([(1, None), (2, None), (3, None)], 1) == [1, 2]
+
+
+def test_the_choice_is_torch_free_for_the_api():
+    """The API marks a run's best checkpoint with the trainer's own rule, on the torch-free web node."""
+    code = "import sys, collage.training.retention; assert 'torch' not in sys.modules, 'torch imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_equal_values_keep_the_first_checkpoint_that_reached_them():

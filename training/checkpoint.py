@@ -17,7 +17,6 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,10 @@ from PIL import Image
 from .diskspace import DiskFull, full_disk_error, space_or_none
 from .errors import CollageError
 from .private import private_dir, private_tree
+
+# the retention choice (pure, torch-free: the API marks the best checkpoint with it), beside the folder side below
+from .retention import best_checkpoint as best_checkpoint
+from .retention import checkpoints_to_remove as checkpoints_to_remove
 
 STATE_FILE = "trainer_state.pt"
 INFO_FILE = "checkpoint.json"  # step, kind, model bytes, metric: readable without torch
@@ -84,35 +87,6 @@ def checkpoints_up_to(newest: Path) -> list[Path]:
     last = int(match.group(1))
     found = [path.resolve() for step, path in list_checkpoints(newest.parent.parent) if step < last]
     return [*found, newest.resolve()]
-
-
-# ------------------------------------------------------------------------------------------------ retention
-def best_checkpoint(checkpoints: Sequence[tuple[int, float | None]], greater_is_better: bool = True) -> int | None:
-    """The step of the best checkpoint by its metric (``None``/NaN: no metric, never the best); the earliest of
-    equal values, as TRL keeps the first checkpoint that reached a value. ``None`` when none has a metric."""
-    best: tuple[int, float] | None = None
-    for step, value in sorted(checkpoints):
-        if value is None or math.isnan(value):
-            continue
-        if best is None or (value > best[1] if greater_is_better else value < best[1]):
-            best = (step, value)
-    return None if best is None else best[0]
-
-
-def checkpoints_to_remove(
-    checkpoints: Sequence[tuple[int, float | None]], limit: int | None, greater_is_better: bool = True
-) -> list[int]:
-    """The steps ``train.save_total_limit`` deletes from ``checkpoints`` (``(step, metric at that step)``): all but
-    the newest ``limit`` and the best by the metric (see :func:`best_checkpoint`), so at most ``limit + 1`` stay
-    (the newest ``limit`` and an older best). Nothing is removed without a limit."""
-    if limit is None:
-        return []
-    steps = sorted({step for step, _ in checkpoints})
-    keep = set(steps[-limit:])
-    best = best_checkpoint(checkpoints, greater_is_better)
-    if best is not None:
-        keep.add(best)
-    return [step for step in steps if step not in keep]
 
 
 def remove_checkpoint(path: Path) -> Path:
