@@ -113,6 +113,13 @@ def config_violations(config: RunConfig, settings: Settings) -> list[tuple[str, 
         errors.append(("dataset.source", message))
     if (message := split_violation(config.dataset.split)) is not None:
         errors.append(("dataset.split", message))
+    # held-out data is read on the worker exactly like the training data
+    if config.dataset.eval_source is not None and (
+        (message := dataset_violation(config.dataset.eval_source, settings)) is not None
+    ):
+        errors.append(("dataset.eval_source", message))
+    if config.dataset.eval_split is not None and (message := split_violation(config.dataset.eval_split)) is not None:
+        errors.append(("dataset.eval_split", message))
     for k, reward in enumerate(config.rewards):
         if (message := reward_violation(reward.name, settings)) is not None:
             errors.append((f"rewards[{k}].name", message))

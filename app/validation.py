@@ -80,6 +80,11 @@ def semantic_errors(config: RunConfig, settings: Settings | None = None) -> list
         errors.append(("dataset.source", message))
     if (message := split_violation(d.split)) is not None:
         errors.append(("dataset.split", message))
+    # held-out data (evaluation) is read on the worker like the training data: the same checks
+    if d.eval_source is not None and (message := check_dataset(d.eval_source, d.min_images, d.max_images, settings)):
+        errors.append(("dataset.eval_source", message))
+    if d.eval_split is not None and (message := split_violation(d.eval_split)) is not None:
+        errors.append(("dataset.eval_split", message))
     for k, reward in enumerate(config.rewards):
         if (message := check_reward(reward.name, settings)) is not None:
             errors.append((f"rewards[{k}].name", message))
@@ -106,8 +111,11 @@ def raw_semantic_errors(data: object, settings: Settings | None = None) -> list[
             and (message := check_dataset(dataset["source"], lo, hi, settings))
         ):
             errors.append(("dataset.source", message))
-    if isinstance(dataset.get("split"), str) and (message := split_violation(dataset["split"])) is not None:
-        errors.append(("dataset.split", message))
+    for key in ("split", "eval_split"):
+        if isinstance(dataset.get(key), str) and (message := split_violation(dataset[key])) is not None:
+            errors.append((f"dataset.{key}", message))
+    if isinstance(dataset.get("eval_source"), str) and (message := dataset_violation(dataset["eval_source"], settings)):
+        errors.append(("dataset.eval_source", message))
     rewards = rewards if isinstance(rewards, list) else []
     for k, reward in enumerate(rewards):
         name = reward.get("name") if isinstance(reward, dict) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import pickle
 import random
@@ -26,6 +27,10 @@ from PIL import Image
 from .diskspace import DiskFull, full_disk_error, space_or_none
 from .errors import CollageError
 from .private import private_dir, private_tree
+
+# the retention choice (pure, torch-free: the API marks the best checkpoint with it), beside the folder side below
+from .retention import best_checkpoint as best_checkpoint
+from .retention import checkpoints_to_remove as checkpoints_to_remove
 
 STATE_FILE = "trainer_state.pt"
 INFO_FILE = "checkpoint.json"  # step, kind, model bytes, metric: readable without torch
@@ -51,16 +56,50 @@ def checkpoint_dir(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"step-{step}"
 
 
-def latest_checkpoint(out: Path) -> Path | None:
+def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in ``out/checkpoints/``, oldest first, as ``(step, folder)``: real folders and the
+    links a resumed worker attempt makes to an earlier attempt's checkpoints (a link whose folder is gone, or a
+    folder a crash left without its trainer state, is not a checkpoint)."""
     folder = out / "checkpoints"
     if not folder.is_dir():
-        return None
+        return []
     found = []
     for child in folder.iterdir():
         match = re.fullmatch(r"step-(\d+)", child.name)
         if match and (child / STATE_FILE).is_file():
             found.append((int(match.group(1)), child))
-    return max(found)[1] if found else None
+    return sorted(found)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = list_checkpoints(out)
+    return found[-1][1] if found else None
+
+
+def checkpoints_up_to(newest: Path) -> list[Path]:
+    """Every checkpoint of the run folder that holds ``newest`` (its own and those it links to), up to ``newest``'s
+    step, as real folders, oldest first, ``newest`` last. A resumed attempt links them all, so that
+    ``train.save_total_limit`` counts and removes an earlier attempt's checkpoints too; a checkpoint past ``newest``
+    was never recorded as written (a crash came first) and is left out, as resume leaves it out."""
+    match = re.fullmatch(r"step-(\d+)", newest.name)
+    if match is None:
+        return [newest]
+    last = int(match.group(1))
+    found = [path.resolve() for step, path in list_checkpoints(newest.parent.parent) if step < last]
+    return [*found, newest.resolve()]
+
+
+def remove_checkpoint(path: Path) -> Path:
+    """Delete the checkpoint ``path`` and return the folder that held it: a link an attempt made to an earlier
+    attempt's checkpoint goes with that folder (the link last, so a crash in between leaves a dangling link, which
+    is no checkpoint, rather than an unlisted folder)."""
+    if path.is_symlink():
+        target = path.resolve()
+        shutil.rmtree(target, ignore_errors=True)
+        path.unlink(missing_ok=True)
+        return target
+    shutil.rmtree(path, ignore_errors=True)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------- writing
@@ -111,7 +150,7 @@ def save_checkpoint(
     state: dict[str, Any],
     rank_rng: list[dict[str, Any]],
     kind: str = "full",
-    metric: tuple[str, float] | None = None,
+    metric: tuple[str, float | None] | None = None,
 ) -> tuple[Path, int]:
     """Write ``checkpoints/step-<step>/`` via a temporary folder, so a crash never leaves half a checkpoint; returns
     the folder and the size of its ``model/`` (what a download or export moves). ``checkpoint.json`` beside it says
@@ -131,9 +170,11 @@ def save_checkpoint(
         with open(tmp / STATE_FILE, "wb") as fh:
             torch.save({**state, "rng": rank_rng}, fh, pickle_module=_PickleModule)
         size = folder_bytes(tmp / "model")
-        info = {"step": step, "kind": kind, "bytes": size, "metric": None, "metric_value": None}
+        info: dict[str, Any] = {"step": step, "kind": kind, "bytes": size, "metric": None, "metric_value": None}
         if metric is not None:
-            info["metric"], info["metric_value"] = metric
+            name, value = metric
+            info["metric"] = name
+            info["metric_value"] = None if value is None or math.isnan(value) else float(value)  # JSON has no NaN
         (tmp / INFO_FILE).write_text(json.dumps(info), encoding="utf-8")
         private_tree(tmp)  # what transformers and safetensors wrote follows the umask; the checkpoint does not
     except BaseException as exc:
@@ -142,7 +183,11 @@ def save_checkpoint(
         if full_disk_error(exc) is not None or (left is not None and left.free < FULL_BELOW):
             raise DiskFull(final, "writing the checkpoint", left) from exc
         raise
-    if final.exists():
+    if final.is_symlink():
+        # a resumed attempt rewriting the step it resumed from: the link to the earlier attempt's folder goes, that
+        # folder stays as it was (an attempt never writes into another's folder)
+        final.unlink()
+    elif final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final, size

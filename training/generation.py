@@ -27,13 +27,24 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
 @dataclass(frozen=True)
 class Sampling:
     """How completions are sampled (TRL's names and meanings): plain temperature sampling unless ``top_p`` < 1,
-    ``top_k`` > 0, ``min_p`` or ``repetition_penalty`` != 1 is set."""
+    ``top_k`` > 0, ``min_p`` or ``repetition_penalty`` != 1 is set. ``greedy``: no sampling at all, the most likely
+    token each step (held-out evaluation with one completion per prompt); only ``repetition_penalty`` still applies,
+    and nothing is drawn from the random stream."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float | None = None
     repetition_penalty: float = 1.0
+    greedy: bool = False
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The arguments of transformers' ``generate`` that say how tokens are chosen."""
+        if self.greedy:  # the warpers are unset, so transformers neither applies nor warns about them
+            return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None, "min_p": None,
+                    "repetition_penalty": self.repetition_penalty}  # fmt: skip
+        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}  # fmt: skip
 
 
 def _repeat(value: Any, times: int) -> Any:
@@ -109,12 +120,7 @@ def generate(
         out = model.generate(
             **text_only,
             cache=cache,
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty,
+            **sampling.generate_kwargs(),
             max_new_tokens=max_completion_length,
             pad_token_id=pad,
             eos_token_id=sorted(stop),

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .callbacks import BackgroundWriter, Callback, RolloutRow
+from .checkpoint import STATE_FILE
 from .config import dump_config
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "events.jsonl")
@@ -58,8 +59,10 @@ class OutputFolder(Callback):
         self.out.mkdir(parents=True, exist_ok=True)
         self.images.mkdir(exist_ok=True)
         (self.out / "config.yaml").write_text(dump_config(config), encoding="utf-8")
+        # a run resumed from a checkpoint of step 0 (a cancel right after eval_on_start) keeps that evaluation too
+        resumed = resumed_from_step > 0 or (self.out / "checkpoints" / "step-0" / STATE_FILE).is_file()
         for name in ("metrics.jsonl", "samples.jsonl"):
-            if resumed_from_step:
+            if resumed:
                 # a resumed run continues the history: drop anything written after the checkpoint
                 _truncate_after(self.out / name, resumed_from_step)
             else:

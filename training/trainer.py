@@ -33,11 +33,24 @@ from .batching.inputs import (
 )
 from .batching.vision import POLICY, REFERENCE, SHARED, VisionFeatures
 from .callbacks import Callback, CallbackList, CheckpointInfo, RolloutImage, RolloutRow
-from .checkpoint import latest_checkpoint, load_model_weights, load_state, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (
+    checkpoints_to_remove,
+    latest_checkpoint,
+    list_checkpoints,
+    load_model_weights,
+    load_state,
+    read_info,
+    remove_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from .config import RunConfig, TrainSettings
+from .data.heldout import HeldOut, load_heldout, training_rows
 from .data.loader import DatasetError, LoadedDataset, load_dataset
 from .data.rows import Sample, image_source
 from .errors import CollageError
+from .evaluation import ScoredCompletion, eval_metric_keys, eval_metrics, weighted_reward
 from .generation import Sampling
 from .generation import backend as generation_backend
 from .modeling import prepare_policy, reference_model, trainable_vision_params
@@ -60,6 +73,14 @@ class GenerationBatch:
     old_logps: torch.Tensor | None  # (N, C) when the policy moves between generation and use
     ref_logps: torch.Tensor | None  # (N, C) when beta > 0 (GRPO)
     num_items: torch.Tensor  # completion tokens in the global generation batch (dapo normaliser)
+    metrics: dict[str, float]
+    rows: list[RolloutRow]
+
+
+@dataclass
+class Evaluation:
+    """One evaluation's metrics (keys ``eval/...`` and ``timing/eval``) and its rollout rows (``split = eval``)."""
+
     metrics: dict[str, float]
     rows: list[RolloutRow]
 
@@ -140,15 +161,19 @@ class Trainer:
         self.rank = self.accelerator.process_index
         set_seed(t.seed, device_specific=True)  # sampling differs per process; the data order below does not
 
-        self.dataset = self._load_data()
+        split = self._load_data()  # the whole training split; eval_fraction's rows are taken out below
+        self.heldout = self._load_heldout(split)
+        held = self.heldout.held_rows if self.heldout is not None else None
+        self.dataset = training_rows(split, held) if held else split
         self.processor, self.family = load_processor(cfg.model.path)
         self.tokenizer = self.processor.tokenizer
         if self.tokenizer.pad_token_id is None:
             raise TrainingError(f"model.path: the tokenizer of {cfg.model.path} has no pad token")
         self.encoder = PromptEncoder(self.processor, self.family, t.max_prompt_length)
         self.image_token_id = self.encoder.image_token_id
-        self._validate_rows()
+        self._validate_rows(split)
         self.rewards = self._load_rewards()
+        self._check_best_metric()
 
         model = load_model(cfg.model.path, cfg.model.dtype)
         model.generation_config.top_k = None  # sampling is plain temperature sampling unless configured
@@ -172,6 +197,12 @@ class Trainer:
         # each distinct sample's vision features once per generation batch (see training.batching.vision)
         self.vision = VisionFeatures(self.family)
         self.images_encoded = 0  # this step's images through the vision tower (cached or with gradients)
+        # an evaluation's own feature cache: training's (which a generation batch may still need) is never touched
+        self.eval_vision = VisionFeatures(self.family)
+        self.last_eval_step = -1  # the step of the newest finished evaluation (kept in checkpoints)
+        self.record: tuple[int, dict[str, float]] = (-1, {})  # the newest step's logged metrics (for checkpoints)
+        self._saved_step: int | None = None  # the step whose state the newest checkpoint holds (None: moved on)
+        self._best_checked = False
 
         self.step = 0
         self.micro = 0
@@ -218,34 +249,97 @@ class Trainer:
             raise TrainingError(f"dataset.source: {d.source} split {d.split!r} has no rows")
         return dataset
 
-    def _validate_rows(self) -> None:
-        """The checks of ``collage data check``, on every row, before any compute is spent. The result is cached
-        per dataset fingerprint (see :mod:`training.data.check`), so a start or resume on an unchanged dataset
-        does not decode and encode every row again."""
+    def _load_heldout(self, split: LoadedDataset) -> HeldOut | None:
+        """The held-out rows (``dataset.eval_split`` / ``eval_source`` / ``eval_fraction``), read and confined like
+        the training rows; None when the config names none."""
+        d, t = self.config.dataset, self.config.train
+        if t.eval_strategy == "no" and not t.eval_on_start and d.eval_fraction is None:
+            return None  # held-out data named but never evaluated: nothing to read (eval_fraction still holds out)
+        try:
+            heldout = load_heldout(d, split, t.eval_max_rows, self.data_roots)
+        except (DatasetError, ValueError) as exc:  # a synthetic task's bad options are ValueErrors (SynthError)
+            named = [k for k in ("eval_fraction", "eval_source", "eval_split") if getattr(d, k) is not None]
+            raise TrainingError(f"dataset.{named[0]}: {exc}") from None
+        if heldout is not None and heldout.held_rows is not None and len(heldout.held_rows) >= len(split):
+            raise TrainingError(
+                f"dataset.eval_fraction: {d.eval_fraction} of {len(split)} rows holds out every row: nothing is left "
+                "to train on"
+            )
+        return heldout
+
+    def _validate_rows(self, split: LoadedDataset) -> None:
+        """The checks of ``collage data check``, on every row (the held-out ones too), before any compute is spent.
+        The result is cached per dataset fingerprint (see :mod:`training.data.check`), so a start or resume on an
+        unchanged dataset does not decode and encode every row again."""
         from .data.check import cached_check
 
         cfg = self.config
-        report = cached_check(self.dataset, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)
+        report = cached_check(split, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)
         bad = report.errors
-        self.images_per_row: list[int] = list(report.images_per_row)
         if bad:
             raise TrainingError(
                 str(
                     DatasetError(
-                        f"dataset {self.dataset.source}: {len(bad)} of {len(self.dataset)} rows fail `collage data check`",
+                        f"dataset {split.source}: {len(bad)} of {len(split)} rows fail `collage data check`",
                         bad,
                     )
                 )
             )
+        counts = dict(zip((raw.row for raw in split.rows), report.images_per_row, strict=True))
+        self.images_per_row: list[int] = [counts[raw.row] for raw in self.dataset.rows]
+        self.eval_images_per_row: list[int] = []
+        if self.heldout is not None:
+            self.eval_images_per_row = self._validate_heldout(self.heldout, counts)
         needed = self.config.train.generation_batch_size // self.config.train.num_generations * 1
         if len(self.dataset) < needed:
+            held = f" once the {len(split) - len(self.dataset)} held-out rows are taken out" if self.heldout else ""
             raise TrainingError(
-                f"dataset: {len(self.dataset)} rows, fewer than the {needed} prompts one generation needs"
+                f"dataset: {len(self.dataset)} rows{held}, fewer than the {needed} prompts one generation needs"
             )
+
+    def _validate_heldout(self, heldout: HeldOut, counts: dict[int, int]) -> list[int]:
+        """The data check on the held-out rows (eval_fraction's were checked with the split); their image counts."""
+        from .data.check import cached_check
+
+        if heldout.held_rows is not None:
+            return [counts[raw.row] for raw in heldout.rows]
+        cfg = self.config
+        report = cached_check(heldout.loaded, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)
+        if report.errors:
+            loaded = heldout.loaded
+            message = (
+                f"{loaded.source} split {loaded.split!r}: {len(report.errors)} of {len(loaded)} held-out rows fail "
+                "`collage data check`"
+            )
+            raise TrainingError(f"{heldout.key}: {DatasetError(message, report.errors)}")
+        return [report.images_per_row[p] for p in heldout.positions]
+
+    def _check_best_metric(self) -> None:
+        """``metric_for_best_model`` naming an evaluation metric this run never logs is refused before any compute
+        (a training metric is checked against the first step's record)."""
+        t = self.config.train
+        name = t.metric_for_best_model
+        if name is None or not name.startswith("eval/"):
+            return
+        keys = eval_metric_keys(
+            [r.name for r in self.rewards], self._pass_reward(), t.eval_num_generations, self.eval_images_per_row
+        )
+        if name not in keys:
+            raise TrainingError(
+                f"train.metric_for_best_model: this run logs no {name!r}; its evaluation metrics are "
+                + ", ".join(sorted(keys))
+            )
+
+    def _pass_reward(self) -> str | None:
+        """The reward ``eval/pass@k`` judges by: ``eval_pass_reward``, else ``accuracy`` when the run has it."""
+        names = [r.name for r in self.config.rewards]  # as the config names them (an import path, a folder)
+        chosen = self.config.train.eval_pass_reward
+        chosen = chosen if chosen is not None else ("accuracy" if "accuracy" in names else None)
+        return None if chosen is None else self.rewards[names.index(chosen)].name  # as its metrics name it
 
     def _load_rewards(self) -> list[Reward]:
         rewards = []
-        has_images = any(self.images_per_row)
+        has_images = any(self.images_per_row) or any(self.eval_images_per_row)  # every reward scores both
         for k, spec in enumerate(self.config.rewards):
             try:
                 reward = resolve_reward(
@@ -260,7 +354,7 @@ class Trainer:
             if spec.name == "length":
                 reward.args.setdefault("max_completion_length", self.config.train.max_completion_length)
             if reward.text_model is not None and has_images:
-                rows = sum(1 for n in self.images_per_row if n)
+                rows = sum(1 for n in [*self.images_per_row, *self.eval_images_per_row] if n)
                 if spec.on_images_for_text_reward == "error":
                     raise TrainingError(
                         f"rewards[{k}]: {spec.name} is a text reward model and cannot see images, but {rows} dataset "
@@ -395,15 +489,7 @@ class Trainer:
                 ref_logps = self._batched_logps(self.ref_model, batch, self._scope("reference"))
 
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
-        columns = {k: [s.columns.get(k) for s in repeated] for k in sorted({k for s in repeated for k in s.columns})}
-        reward_batch = RewardBatch(
-            prompts=[s.prompt for s in repeated],
-            completions=texts,
-            completion_ids=completions.ids,
-            images=[s.images for s in repeated],
-            columns=columns,
-            rows=[s.row for s in repeated],
-        )
+        reward_batch = _reward_batch(repeated, texts, completions.ids)
         tic = time.perf_counter()
         local = torch.tensor(score(self.rewards, reward_batch), dtype=torch.float32, device=device)
         self.timings["timing/rewards"] += time.perf_counter() - tic
@@ -532,6 +618,201 @@ class Trainer:
             )
         return rows
 
+    # ------------------------------------------------------------ evaluation
+    def _eval_due(self, step: int) -> bool:
+        """Whether ``step`` is evaluated: step 0 with ``eval_on_start``; with ``eval_strategy: steps`` every
+        ``eval_steps`` steps and after the last step."""
+        t = self.config.train
+        if self.heldout is None:
+            return False
+        if step == 0:
+            return t.eval_on_start
+        return t.eval_strategy == "steps" and (step % t.eval_every == 0 or step == t.max_steps)
+
+    def _eval_sampling(self) -> Sampling:
+        """Greedy with one completion per prompt and no ``eval_temperature``; else sampling at ``eval_temperature``
+        (or the training ``temperature``) with the training run's other sampling settings."""
+        t = self.config.train
+        if t.eval_greedy:
+            return Sampling(repetition_penalty=t.repetition_penalty, greedy=True)
+        temperature = t.eval_temperature if t.eval_temperature is not None else t.temperature
+        return Sampling(temperature, t.top_p, t.top_k, t.min_p, t.repetition_penalty)
+
+    def _eval_seed(self) -> int:
+        """An evaluation's own seed (per step and process): a sampled evaluation is repeatable, and the training
+        stream, saved before and put back after, never sees it."""
+        return (self.config.train.seed * 1_000_003 + self.step * 7_919 + self.rank) % 2**32
+
+    def _evaluate(self, callbacks: CallbackList) -> Evaluation | None:
+        """Score the held-out prompts with the policy as it is now: this process's share of each batch of
+        ``per_device_eval_batch_size`` completions, gathered from every process. None when a cancel came between
+        two batches (the evaluation is abandoned: nothing of it is logged)."""
+        from accelerate.utils import gather_object, set_seed
+
+        assert self.heldout is not None  # _eval_due
+        t = self.config.train
+        tic = time.perf_counter()
+        rows = self.heldout.rows
+        per_process = t.eval_batch_size // t.eval_num_generations
+        per_batch = per_process * self.world
+        saved = rng_state()
+        set_seed(self._eval_seed())
+        was_training = self.model.training
+        self.model.eval()
+        local: list[tuple[RolloutRow, ScoredCompletion]] = []
+        try:
+            for lo in range(0, len(rows), per_batch):
+                if self._stop_requested(callbacks):  # every process asks at the same points (a collective)
+                    return None
+                first = lo + self.rank * per_process
+                mine = list(range(first, min(first + per_process, len(rows))))
+                if mine:  # the last batch may leave a process without prompts: it only waits
+                    local.extend(self._evaluate_batch(mine, [rows[p] for p in mine]))
+        finally:
+            set_rng_state(saved)
+            self.model.train(was_training)
+            self.eval_vision.clear()
+        scored = gather_object(local) if self.world > 1 else local
+        scored.sort(key=lambda item: (item[1].prompt, item[1].index))
+        metrics = eval_metrics(
+            [c for _, c in scored],
+            [r.name for r in self.rewards],
+            [r.weight for r in self.rewards],
+            t.eval_num_generations,
+            self._pass_reward(),
+            t.eval_pass_threshold,
+        )
+        metrics["timing/eval"] = time.perf_counter() - tic
+        self.last_eval_step = self.step
+        self._saved_step = None  # the state moved on: a checkpoint must record this evaluation
+        return Evaluation(metrics, [row for row, _ in scored])
+
+    def _evaluate_batch(self, positions: list[int], raws: list[Any]) -> list[tuple[RolloutRow, ScoredCompletion]]:
+        """Generate and score ``eval_num_generations`` completions for each of these held-out rows (at
+        ``positions`` in the evaluation); no gradients, the policy in eval mode."""
+        t = self.config.train
+        g = t.eval_num_generations
+        samples = [raw.to_sample() for raw in raws]
+        encoded = [self.encoder.encode(s) for s in samples]
+        policy = self.accelerator.unwrap_model(self.model)
+        with torch.no_grad():
+            prompts = self._batch_to_device(collate(encoded, self.family, self.tokenizer.pad_token_id))
+            self.eval_vision.clear()
+            completions = generation_backend(t.generation_backend)(
+                policy,
+                prompts,
+                g,
+                self.family,
+                self.tokenizer,
+                self.image_token_id,
+                self.encoder.protected,
+                t.max_completion_length,
+                self._eval_sampling(),
+                self.eval_vision.encoder_outputs(policy, prompts, POLICY),
+            )
+        repeated = [s for s in samples for _ in range(g)]
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
+        reward_batch = _reward_batch(repeated, texts, completions.ids)
+        values = score(self.rewards, reward_batch)
+        names = [r.name for r in self.rewards]
+        weights = [r.weight for r in self.rewards]
+        images: dict[int, RolloutImage] = {}
+        out = []
+        for i, sample in enumerate(repeated):
+            rewards = tuple(None if math.isnan(v) else float(v) for v in values[i])
+            for image in sample.images:
+                images.setdefault(id(image), _rollout_image(image))
+            row = RolloutRow(
+                step=self.step,
+                group=positions[i // g],
+                index=i % g,
+                prompt=sample.prompt,
+                completion=texts[i],
+                images=[images[id(image)] for image in sample.images],
+                rewards=dict(zip(names, rewards, strict=True)),
+                reward=weighted_reward(rewards, weights),
+                advantage=0.0,
+                completion_length=len(completions.ids[i]),
+                truncated=completions.truncated[i],
+                row=sample.row,
+                columns=sample.columns,
+                split="eval",
+            )
+            scored = ScoredCompletion(positions[i // g], i % g, rewards, row.completion_length, len(sample.images))
+            out.append((row, scored))
+        return out
+
+    def _evaluate_alone(self, callbacks: CallbackList) -> bool:
+        """An evaluation outside a training step (eval_on_start's step 0, or the one a cancel interrupted at the
+        checkpoint this run resumed from), logged as a record of its own for the step; False when a cancel came
+        during it (the newest checkpoint already holds this state, else one is saved)."""
+        evaluation = self._evaluate(callbacks)
+        if evaluation is None:
+            self._save_if_changed()
+            callbacks.on_event(
+                "info",
+                f"stopped at step {self.step} on request, during its evaluation; checkpoint saved (the evaluation "
+                "runs again on resume)",
+            )
+            return False
+        step, metrics = self.record
+        self.record = (self.step, {**(metrics if step == self.step else {}), **evaluation.metrics})
+        callbacks.on_metrics(self.step, evaluation.metrics)
+        callbacks.on_samples(self.step, evaluation.rows)
+        if self.resume and self.step < self.config.train.max_steps:
+            self._save()  # the resumed checkpoint did not hold this evaluation: now one does (never repeated)
+        return True
+
+    def _announce_heldout(self, callbacks: CallbackList) -> None:
+        """Say what the evaluation scores; eval_fraction's held-out row ids go to ``eval_rows.json`` too."""
+        h = self.heldout
+        if h is None:
+            return
+        if self.config.train.eval_strategy != "no" or self.config.train.eval_on_start:
+            callbacks.on_event(
+                "info", f"{h.key}: evaluation data is {h.description}; {len(h)} rows evaluated each time"
+            )
+        if h.dropped:
+            callbacks.on_event(
+                "info",
+                f"{h.key}: {len(h.dropped)} generated rows equal a training row and are left out of the evaluation "
+                f"(rows {_id_list(h.dropped)})",
+            )
+        if h.held_rows is None:
+            return
+        where = ""
+        if self.is_main and self.out is not None:
+            import json
+
+            record = {
+                "source": self.config.dataset.source,
+                "split": self.config.dataset.split,
+                "eval_fraction": self.config.dataset.eval_fraction,
+                "seed": self.config.dataset.seed,
+                "held_out_rows": h.held_rows,  # never trained on
+                "evaluated_rows": [raw.row for raw in h.rows],  # the first eval_max_rows of them
+            }
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "eval_rows.json").write_text(json.dumps(record), encoding="utf-8")
+            where = " (all in eval_rows.json)"
+        callbacks.on_event(
+            "info",
+            f"dataset.eval_fraction: {len(h.held_rows)} rows of split {self.config.dataset.split!r} are held out for "
+            f"evaluation and never trained on{where}: rows {_id_list(h.held_rows)}",
+        )
+
+    def _check_best_metric_logged(self, metrics: dict[str, float]) -> None:
+        """A training metric named by ``metric_for_best_model`` must be among those the first step logged."""
+        name = self.config.train.metric_for_best_model
+        if self._best_checked or name is None or name.startswith("eval/"):
+            return
+        self._best_checked = True
+        if name not in metrics:
+            raise TrainingError(
+                f"train.metric_for_best_model: this run logs no {name!r}; its training metrics are "
+                + ", ".join(sorted(metrics))
+            )
+
     # ------------------------------------------------------------------ loss
     def _logps_for_loss(self, mb: ModelBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of a micro-batch; the entropies carry gradients when the entropy bonus
@@ -643,7 +924,14 @@ class Trainer:
             "buffer": self.buffer,
             "world": self.world,
             "ref_model": self._reference_state(),  # a reference that sync_ref_model moved (else None)
+            "last_eval_step": self.last_eval_step,  # a resumed run never repeats a finished evaluation
         }
+
+    def _save_if_changed(self) -> Path | None:
+        """Save, unless the newest checkpoint already holds this very state (a cancel right after resuming)."""
+        if self._saved_step == self.step:
+            return None
+        return self._save()
 
     def _save(self) -> Path | None:
         from accelerate.utils import gather_object
@@ -653,10 +941,43 @@ class Trainer:
         if self.is_main and self.out is not None:
             unwrapped = self.accelerator.unwrap_model(self.model)
             kind = "adapter" if self.uses_lora else "full"
-            path, size = save_checkpoint(self.out, self.step, unwrapped, self.processor, self._state(), rngs, kind)
-            self.callbacks.on_checkpoint(self.step, str(path), CheckpointInfo(self.step, str(path), kind, size))
+            metric = self._checkpoint_metric()
+            state = self._state()
+            path, size = save_checkpoint(self.out, self.step, unwrapped, self.processor, state, rngs, kind, metric)
+            value = read_info(path) or {}
+            info = CheckpointInfo(self.step, str(path), kind, size, value.get("metric_value"))
+            self.callbacks.on_checkpoint(self.step, str(path), info)
+            self._apply_retention()
+        self._saved_step = self.step
         self.accelerator.wait_for_everyone()
         return path
+
+    def _checkpoint_metric(self) -> tuple[str, float | None] | None:
+        """``(metric_for_best_model, its value at this step)``; the value is None when the step did not log it (a
+        cancel between evaluations, a step without a generation)."""
+        name = self.config.train.metric_for_best_model
+        if name is None:
+            return None
+        step, metrics = self.record
+        return name, metrics.get(name) if step == self.step else None
+
+    def _apply_retention(self) -> None:
+        """``save_total_limit``: delete all but the newest checkpoints and the best (``metric_for_best_model``),
+        counting those an earlier worker attempt wrote (linked into this attempt's folder)."""
+        t = self.config.train
+        if t.save_total_limit is None or self.out is None:
+            return
+        found = list_checkpoints(self.out)
+        values = []
+        for step, folder in found:
+            info = read_info(folder) or {}
+            same = info.get("metric") == t.metric_for_best_model and t.metric_for_best_model is not None
+            values.append((step, info.get("metric_value") if same else None))
+        doomed = set(checkpoints_to_remove(values, t.save_total_limit, t.best_is_greater))
+        for step, folder in found:
+            if step in doomed:
+                removed = remove_checkpoint(folder)
+                self.callbacks.on_checkpoint_removed(step, str(removed))
 
     def _restore(self) -> None:
         assert self.out is not None  # __init__ refuses resume without an output folder
@@ -671,6 +992,12 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.micro, self.position = state["step"], state["micro"], state["position"]
         self.num_tokens = state["num_tokens"]
+        self.last_eval_step = state.get("last_eval_step", -1)  # -1: written before evaluation existed
+        self._saved_step = self.step
+        name = self.config.train.metric_for_best_model
+        info = read_info(path) or {}
+        if name is not None and info.get("metric") == name and info.get("metric_value") is not None:
+            self.record = (self.step, {name: info["metric_value"]})  # a save at this step keeps the checkpoint's value
         self.buffer = state["buffer"]
         if self.buffer is not None:
             self.buffer.batch = self._batch_to_device(self.buffer.batch)
@@ -689,16 +1016,20 @@ class Trainer:
             callbacks.on_event("info", f"resumed from checkpoint at step {self.resumed_from}")
         for level, message in self._pending_events:
             callbacks.on_event(level, message)
+        self._announce_heldout(callbacks)
         generate_every = t.generation_steps * t.num_iterations
         started = time.monotonic()
         done_steps = 0
-        status: Literal["succeeded", "cancelled"] = "succeeded"
+        stopped = False
         try:
-            while self.step < t.max_steps:
+            if self._eval_due(self.step) and self.last_eval_step != self.step:
+                # eval_on_start's baseline, or the evaluation a cancel interrupted at the step this run resumed from
+                stopped = not self._evaluate_alone(callbacks)
+            while not stopped and self.step < t.max_steps:
                 if self._stop_requested(callbacks):
-                    self._save()
+                    self._save_if_changed()
                     callbacks.on_event("info", f"stopped at step {self.step} on request; checkpoint saved")
-                    status = "cancelled"
+                    stopped = True
                     break
                 tic = time.monotonic()
                 gen_metrics: list[dict[str, float]] = []
@@ -724,6 +1055,7 @@ class Trainer:
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
+                self._saved_step = None
                 self._sync_reference()
                 done_steps += 1
                 metrics = _mean_dicts(loss_metrics)
@@ -737,19 +1069,39 @@ class Trainer:
                 metrics.update(self.timings)  # where the step's time went: sampling, scoring, forward+backward
                 metrics["vision/images_encoded"] = self._global_sum(self.images_encoded)
                 metrics = self._reduce_metrics(metrics)
+                if gen_metrics:
+                    self._check_best_metric_logged(metrics)
+                evaluation = None
+                if self._eval_due(self.step):
+                    # after the step, before its record: the step's metrics and its evaluation are one record
+                    evaluation = self._evaluate(callbacks)
+                    stopped = evaluation is None  # a cancel came during the evaluation: it is abandoned
+                    if evaluation is not None:
+                        metrics.update(evaluation.metrics)
                 history.append(metrics)
+                self.record = (self.step, metrics)
                 callbacks.on_metrics(self.step, metrics)
                 if rows:
                     from accelerate.utils import gather_object
 
                     all_rows = gather_object(rows) if self.world > 1 else rows
                     callbacks.on_samples(self.step, all_rows)
+                if evaluation is not None:
+                    callbacks.on_samples(self.step, evaluation.rows)  # a call of its own: the store keeps splits apart
                 elapsed = time.monotonic() - started
                 callbacks.on_progress(self.step, t.max_steps, elapsed / done_steps)
+                if stopped:
+                    self._save()
+                    callbacks.on_event(
+                        "info",
+                        f"stopped at step {self.step} on request, during its evaluation; checkpoint saved (the "
+                        "evaluation runs again on resume)",
+                    )
+                    break
                 if t.save_steps and self.step % t.save_steps == 0 and self.step < t.max_steps:
                     self._save()
-            else:
-                self._save()
+            if not stopped:
+                self._save_if_changed()
                 self._check_replicas(callbacks)
         except RewardError as exc:
             callbacks.on_event("error", str(exc))
@@ -760,6 +1112,7 @@ class Trainer:
             callbacks.on_event("error", tb)
             callbacks.on_end("failed", str(exc))
             raise
+        status: Literal["succeeded", "cancelled"] = "cancelled" if stopped else "succeeded"
         callbacks.on_end(status)
         return TrainResult(status, self.step, history)
 
@@ -862,6 +1215,25 @@ def option_warnings(config: RunConfig) -> list[str]:
             "standardises the summed rewards over the batch)"
         )
     return out
+
+
+def _reward_batch(repeated: list[Sample], texts: list[str], completion_ids: list[list[int]]) -> RewardBatch:
+    """What the reward functions see for these completions (each sample repeated once per completion)."""
+    columns = {k: [s.columns.get(k) for s in repeated] for k in sorted({k for s in repeated for k in s.columns})}
+    return RewardBatch(
+        prompts=[s.prompt for s in repeated],
+        completions=texts,
+        completion_ids=completion_ids,
+        images=[s.images for s in repeated],
+        columns=columns,
+        rows=[s.row for s in repeated],
+    )
+
+
+def _id_list(ids: Sequence[int], most: int = 200) -> str:
+    """Row ids for an event message: every one, or the first ``most`` and how many more."""
+    shown = ", ".join(str(i) for i in ids[:most])
+    return shown if len(ids) <= most else f"{shown}, ... and {len(ids) - most} more"
 
 
 def _f(x: Any) -> float:

@@ -145,7 +145,11 @@ def main(run_id: str, attempt: int) -> int:
     out = attempt_dir(settings.artifacts, run_id, attempt)
     newest = store.latest_checkpoint(run_id)
     if newest is not None and rank == 0 and Path(newest).is_dir():
-        link_checkpoint(out, Path(newest))
+        from collage.training.checkpoint import checkpoints_up_to
+
+        # every earlier checkpoint up to the newest, newest last: train.save_total_limit counts and removes them too
+        for checkpoint in checkpoints_up_to(Path(newest)):
+            link_checkpoint(out, checkpoint)
     heartbeat = float(os.environ.get("COLLAGE_HEARTBEAT_INTERVAL", "5"))
     callback = StoreCallback(
         writer, run_id, heartbeat_every=heartbeat, ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE")
