@@ -419,7 +419,7 @@ def test_concurrent_exports_beyond_the_limit_are_429_and_streams_hold_no_connect
         refused, task = await start()
         await task
         assert refused.status == 429 and refused.headers["retry-after"] == "10", refused.chunks
-        assert json.loads(b"".join(refused.chunks))["detail"].startswith(f"{limit} exports are running")
+        assert json.loads(b"".join(refused.chunks))["detail"].startswith(f"{limit} downloads are running")
         # clients that hang up (either way a server may tell) give their slots back, and so does one that finishes
         for _ in range(2):
             gone, gone_task = streams.pop(0)

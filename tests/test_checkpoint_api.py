@@ -150,7 +150,7 @@ def test_a_large_checkpoint_streams_in_bounded_memory(api):
 
 def test_downloads_beyond_max_exports_are_429_and_a_slot_is_freed_by_the_end_of_each(api):
     client, _, _, app = api
-    from collage.app.routers.samples import export_slots
+    from collage.app.routers.downloads import export_slots
 
     run = _run(client)
     place(app.state.writer, _artifacts(app), run, "full")

@@ -8,8 +8,6 @@ without following a link (``app/tarstream.py``). Torch-free: the web node serves
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -22,7 +20,7 @@ from ..models import Run
 from ..schemas import CheckpointList, CheckpointOut, ErrorOut, ValidationErrorOut
 from ..store import checkpoints as store
 from .common import API, get_run_or_404, get_session
-from .samples import RETRY_AFTER_SECONDS, _SlotStream, export_slots
+from .downloads import SlotStream, hold_export_slot
 
 router = APIRouter(tags=["checkpoints"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 
@@ -96,26 +94,7 @@ def model_folder(entry: store.CheckpointEntry, artifacts: Path, run_id: str) -> 
     return model
 
 
-def hold_export_slot(request: Request) -> Callable[[], None]:
-    """One of the web process's ``COLLAGE_MAX_EXPORTS`` export slots (429 with ``Retry-After`` when none is free);
-    returns its release, which frees it exactly once however often it is called."""
-    slots = export_slots(request.app)
-    if not slots.acquire(blocking=False):
-        raise HTTPException(
-            429,
-            f"{request.app.state.settings.max_exports} downloads are running: retry in {RETRY_AFTER_SECONDS} s",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
-    once = threading.Lock()
-
-    def release() -> None:
-        if once.acquire(blocking=False):  # exactly once, whichever way the response ends
-            slots.release()
-
-    return release
-
-
-def tar_response(request: Request, root: Path, name: str) -> _SlotStream:
+def tar_response(request: Request, root: Path, name: str) -> SlotStream:
     """``root`` as a streamed tar download named ``name.tar`` (everything under the folder ``name/``), holding one of
     the web process's export slots while it streams."""
     release = hold_export_slot(request)
@@ -131,11 +110,11 @@ def tar_response(request: Request, root: Path, name: str) -> _SlotStream:
         release()
         raise
     headers = {"Content-Disposition": f'attachment; filename="{name}.tar"', "Content-Length": str(plan.size)}
-    return _SlotStream(tarstream.stream(plan), release, media_type=TAR, headers=headers)
+    return SlotStream(tarstream.stream(plan), release, media_type=TAR, headers=headers)
 
 
 @router.get("/runs/{run_id}/checkpoints/{step}/download", responses=DOWNLOAD_ERRORS)
-def download_checkpoint(run_id: str, step: str, request: Request) -> _SlotStream:
+def download_checkpoint(run_id: str, step: str, request: Request) -> SlotStream:
     """The model folder of the checkpoint at `step` (a number, `best` or `last`) as a tar archive, streamed: a
     folder `<run>-step-<N>/` holding the weights (or the LoRA adapter), the config and the processor's files."""
     asked = asked_step(step)

@@ -6,8 +6,6 @@ import csv
 import io
 import json
 import tempfile
-import threading
-from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
@@ -21,6 +19,7 @@ from ..models import Image, Metric
 from ..schemas import SamplePage, ValidationErrorOut
 from ..store import queries
 from .common import get_run_or_404, get_session, sample_out
+from .downloads import SlotStream, hold_export_slot
 
 INT_MAX = 2**31 - 1  # steps and counts are 32-bit integers in the store
 
@@ -276,33 +275,6 @@ def _parquet(records, what: str):
             yield chunk
 
 
-RETRY_AFTER_SECONDS = 10
-_SLOTS_LOCK = threading.Lock()
-
-
-def export_slots(app) -> threading.BoundedSemaphore:
-    """The app's export slots: ``settings.max_exports`` downloads at once per process, the rest get 429."""
-    with _SLOTS_LOCK:
-        slots = getattr(app.state, "export_slots", None)
-        if slots is None:
-            slots = app.state.export_slots = threading.BoundedSemaphore(app.state.settings.max_exports)
-        return slots
-
-
-class _SlotStream(StreamingResponse):
-    """A streamed download that holds an export slot until it ends, fails, or its client goes away."""
-
-    def __init__(self, content: Iterable[Any] | Iterator[Any], release: Callable[[], None], **kwargs: Any):
-        super().__init__(content, **kwargs)
-        self._release = release
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
-
-
 @router.get(
     "/runs/{run_id}/export",
     responses={
@@ -331,19 +303,7 @@ def export(
     engine = request.app.state.engine
     with Session(engine) as session:  # released before streaming: the stream reads in short sessions of its own
         run_id = get_run_or_404(session, run_id).id
-    slots = export_slots(request.app)
-    if not slots.acquire(blocking=False):
-        raise HTTPException(
-            429,
-            f"{request.app.state.settings.max_exports} exports are running: retry in {RETRY_AFTER_SECONDS} s",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
-    once = threading.Lock()
-
-    def release() -> None:
-        if once.acquire(blocking=False):  # exactly once, whichever way the response ends
-            slots.release()
-
+    release = hold_export_slot(request)
     try:
         records = _sample_records(engine, run_id, split) if what == "samples" else _metric_records(engine, run_id)
         columns = SAMPLE_COLUMNS if what == "samples" else ["run_id", "step", "key", "value"]
@@ -354,7 +314,7 @@ def export(
             body, media = _jsonl(records), "application/x-ndjson"
         else:
             body, media = _parquet(records, what), "application/vnd.apache.parquet"
-        return _SlotStream(
+        return SlotStream(
             body, release, media_type=media, headers={"Content-Disposition": f'attachment; filename="{filename}"'}
         )
     except BaseException:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +25,7 @@ from sqlalchemy import select
 from sqlmodel import Session, col
 
 from collage.training.config import TrainSettings
+from collage.training.retention import best_checkpoint
 
 from ..models import Checkpoint, Run
 from ..trust import confined
@@ -83,23 +84,10 @@ class BestRule:
         return cls(settings.metric_for_best_model, settings.best_is_greater)
 
 
-def best_step(points: Iterable[tuple[int, float | None]], greater: bool) -> int | None:
-    """The step whose value is best (``greater``: the largest), the earliest of equal ones, steps without a value
-    skipped; None when no step has one. TRL's rule: a checkpoint becomes the best only when it beats the best so
-    far strictly."""
-    best: tuple[int, float] | None = None
-    for step, value in sorted(points, key=lambda p: p[0]):
-        if value is None or value != value:  # None or NaN: no value to compare
-            continue
-        if best is None or (value > best[1] if greater else value < best[1]):
-            best = (step, value)
-    return best[0] if best is not None else None
-
-
 def mark_best(entries: Sequence[CheckpointEntry], rule: BestRule) -> list[CheckpointEntry]:
     """The entries in step order, ``best`` set on the best one (on none without a rule or a value)."""
     ordered = sorted(entries, key=lambda e: e.step)
-    winner = best_step(((e.step, e.metric) for e in ordered), rule.greater) if rule.metric else None
+    winner = best_checkpoint([(e.step, e.metric) for e in ordered], rule.greater) if rule.metric else None
     return [replace(e, best=e.step == winner) for e in ordered]
 
 
