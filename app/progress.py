@@ -14,6 +14,7 @@ class ProgressBar(Callback):
         self.progress = None
         self.task = None
         self.reward = float("nan")
+        self.eval_reward: float | None = None
 
     def on_start(self, config, resumed_from_step):
         if not self.enabled:
@@ -36,14 +37,22 @@ class ProgressBar(Callback):
         )
 
     def on_metrics(self, step, metrics):
-        self.reward = metrics.get("reward", float("nan"))
+        # a step-0 record (eval_on_start) holds only eval keys: the training reward is unknown until step 1
+        if "reward" in metrics:
+            self.reward = metrics["reward"]
+        if "eval/reward" in metrics:
+            self.eval_reward = metrics["eval/reward"]
+
+    def _shown(self) -> str:
+        shown = "-" if self.reward != self.reward else f"{self.reward:.3f}"
+        return shown if self.eval_reward is None else f"{shown} (eval {self.eval_reward:.3f})"
 
     def on_progress(self, step, max_steps, seconds_per_step):
         if self.progress is not None:
-            self.progress.update(self.task, completed=step, reward=f"{self.reward:.3f}")
+            self.progress.update(self.task, completed=step, reward=self._shown())
         elif self.plain:
             left = (max_steps - step) * (seconds_per_step or 0)
-            print(f"step {step}/{max_steps} reward {self.reward:.3f} ({left:.0f}s left)", file=sys.stderr, flush=True)
+            print(f"step {step}/{max_steps} reward {self._shown()} ({left:.0f}s left)", file=sys.stderr, flush=True)
 
     def on_event(self, level, message):
         if level in ("warning", "error") and (self.enabled or self.plain):
