@@ -253,3 +253,15 @@ def resolve_model(session: Session, ref: dict[str, Any], index: int, settings: S
         rewards=[r.model_dump(mode="json") for r in config.rewards],
         queue=config.resources.queue,
     )
+
+
+def model_summary(model: dict[str, Any]) -> dict[str, Any]:
+    """How a resolved model (a job request's ``models`` entry) is shown: no server path but a base model's own."""
+    return {
+        "label": model["label"],
+        "kind": model["kind"],
+        "path": model["path"] if model["kind"] == "base" else None,
+        "run": model.get("run"),
+        "run_name": model.get("run_name"),
+        "step": model.get("step"),
+    }

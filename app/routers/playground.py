@@ -23,7 +23,7 @@ from collage.training.images import ImageRefused
 from ..auth import UNAUTHORIZED, require_token
 from ..db import session_scope
 from ..models import ApiToken, Image, Job, utcnow
-from ..playground import Refused, ResolvedModel, clean_upload, prompt_conversation, resolve_model
+from ..playground import Refused, ResolvedModel, clean_upload, model_summary, prompt_conversation, resolve_model
 from ..schemas import (
     ErrorOut,
     GenerateCreated,
@@ -163,17 +163,6 @@ def my_uploads(
 
 
 # --------------------------------------------------------------------------------------------------- generation
-def _model_out(model: dict[str, Any]) -> PlaygroundModelOut:
-    return PlaygroundModelOut(
-        label=model["label"],
-        kind=model["kind"],
-        path=model["path"] if model["kind"] == "base" else None,
-        run=model.get("run"),
-        run_name=model.get("run_name"),
-        step=model.get("step"),
-    )
-
-
 def _check_images(session: Session, shas: list[str], settings: Settings) -> list[tuple[str, str]]:
     errors = []
     if len(shas) > settings.playground_max_images:
@@ -334,7 +323,7 @@ def generation_out(request: Request, job: Job) -> GenerationOut:
         message=message,
         progress=job.progress,
         queue=job.queue,
-        models=[_model_out(m) for m in job.request.get("models", [])],
+        models=[PlaygroundModelOut.model_validate(model_summary(m)) for m in job.request.get("models", [])],
         results=[PlaygroundResult.model_validate(r) for r in results],
         error=job.error,
         created_at=job.created_at,
