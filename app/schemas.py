@@ -436,6 +436,10 @@ class GenerationOut(BaseModel):
     progress: float
     queue: str
     models: list[PlaygroundModelOut]
+    prompt: list[dict[str, Any]] = Field(description="the conversation the models were given, one image part per image")
+    images: list[ImageRef] = Field(description="the images, in the order of the prompt's image parts")
+    answer: str | int | float | None
+    sampling: dict[str, Any] = Field(description="num_generations, temperature, top_p, max_new_tokens, seed")
     results: list[PlaygroundResult]
     error: str | None
     created_at: datetime

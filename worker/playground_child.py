@@ -326,8 +326,8 @@ class Playground:
         result["reward_weights"] = weights
         result["reward_errors"] = errors or None
         for i, completion in enumerate(result["completions"]):
-            scored = [(values[k][i], weights[k]) for k in values if values[k][i] is not None]
-            completion["reward"] = sum(v * w for v, w in scored) if scored else None  # type: ignore[operator]
+            scored = [v * weights[k] for k in values if (v := values[k][i]) is not None]
+            completion["reward"] = sum(scored) if scored else None
 
 
 def reward_name(name: str) -> str:
@@ -420,8 +420,9 @@ def main() -> int:
                 print(f"collage playground {os.getpid()}: no request for {ttl:.0f}s: exiting", file=sys.stderr)
                 return 0  # the memory goes back; the worker starts a new process for the next request
             chunk = os.read(0, 1 << 16)
-            if not chunk:
-                return 0  # the worker is gone
+            if not chunk:  # the worker stopped this process (a training starts there) or is gone
+                print(f"collage playground {os.getpid()}: the worker closed its pipe: exiting", file=sys.stderr)
+                return 0
             buffer += chunk
         line, _, buffer = buffer.partition(b"\n")
         if line.strip():

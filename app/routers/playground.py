@@ -310,12 +310,20 @@ def _waiting(request: Request, job: Job, position: int | None) -> str:
     return f"{ahead}: a free worker of {where} takes it in a moment"
 
 
-def generation_out(request: Request, job: Job) -> GenerationOut:
+SAMPLING = ("num_generations", "temperature", "top_p", "max_new_tokens", "seed")
+
+
+def generation_out(request: Request, session: Session, job: Job) -> GenerationOut:
     status = RunStatus(job.status)
     shown = RunStatus.RUNNING if status == RunStatus.CANCELLING else status
     position = jobs.queue_position(request.app.state.engine, job) if status == RunStatus.QUEUED else None
     message = _waiting(request, job, position) if status == RunStatus.QUEUED else job.message
     results = (job.result or {}).get("results") or []
+    shas = list(job.request.get("images") or [])
+    rows = session.execute(
+        select(col(Image.sha256), col(Image.width), col(Image.height)).where(col(Image.sha256).in_(set(shas)))
+    )
+    sizes = {sha: (w, h) for sha, w, h in rows} if shas else {}
     return GenerationOut(
         id=job.id,
         status=shown.value,  # type: ignore[arg-type]
@@ -324,6 +332,10 @@ def generation_out(request: Request, job: Job) -> GenerationOut:
         progress=job.progress,
         queue=job.queue,
         models=[PlaygroundModelOut.model_validate(model_summary(m)) for m in job.request.get("models", [])],
+        prompt=job.request.get("prompt") or [],
+        images=[image_ref(sha, *sizes.get(sha, (0, 0))) for sha in shas],
+        answer=job.request.get("answer"),
+        sampling={k: job.request.get(k) for k in SAMPLING},
         results=[PlaygroundResult.model_validate(r) for r in results],
         error=job.error,
         created_at=job.created_at,
@@ -343,7 +355,7 @@ def get_generation(
 ) -> GenerationOut:
     """A generation's status (`queued` with its queue position and what it waits for, `running`, or how it ended)
     and, once it succeeded, each model's completions with their rewards."""
-    return generation_out(request, _own_generation(session, job_id, token))
+    return generation_out(request, session, _own_generation(session, job_id, token))
 
 
 @router.post("/generate/{job_id}/cancel", response_model=GenerationOut, responses=NOT_FOUND)
@@ -360,4 +372,4 @@ def cancel_generation(
     found = jobs.get_job(request.app.state.engine, job.id)
     if found is None:  # its run was deleted meanwhile (a generation is deleted with the run it was tied to)
         raise HTTPException(404, f"no generation with id {job_id!r}")
-    return generation_out(request, found)
+    return generation_out(request, session, found)
