@@ -106,7 +106,9 @@ def _finished(page, server, timeout: float = 600) -> dict:
     return server["client"].get(f"/generate/{job_id}").json()
 
 
-def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_by_side(browser, server, trained, tmp_path):
+def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_by_side(
+    browser, server, trained, tmp_path
+):
     context, page = login(browser, server)
     page.goto(f"{server['base']}/playground?run={trained}")
     wait_js(page, f"document.getElementById('run-0').value === '{trained}'")
@@ -130,9 +132,17 @@ def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_b
     page.wait_for_selector(".pg-column")
     columns = page.locator(".pg-column")
     assert columns.count() == 2
-    assert columns.nth(0).locator(".pg-completion").count() == 2 and columns.nth(1).locator(".pg-completion").count() == 2
-    assert set(columns.nth(0).locator("dd[data-reward]").evaluate_all("n => n.map(x => x.dataset.reward)")) == {"accuracy", "numeric"}
-    assert set(columns.nth(1).locator("dd[data-reward]").evaluate_all("n => n.map(x => x.dataset.reward)")) == {"accuracy", "format"}
+    assert (
+        columns.nth(0).locator(".pg-completion").count() == 2 and columns.nth(1).locator(".pg-completion").count() == 2
+    )
+    assert set(columns.nth(0).locator("dd[data-reward]").evaluate_all("n => n.map(x => x.dataset.reward)")) == {
+        "accuracy",
+        "numeric",
+    }
+    assert set(columns.nth(1).locator("dd[data-reward]").evaluate_all("n => n.map(x => x.dataset.reward)")) == {
+        "accuracy",
+        "format",
+    }
     assert columns.nth(0).locator(".pg-total").count() == 2  # the weighted total of each completion
     run_result, base_result = job["results"]
     assert run_result["model"]["run"] == trained and run_result["model"]["step"] == 2
@@ -165,7 +175,9 @@ def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_b
     _wait(lambda: _generation_id(page) != again["id"], "the third generation")
     from_row = _finished(page, server)
     assert from_row["status"] == "succeeded", from_row
-    assert from_row["prompt"] == sample["prompt"] and [i["sha256"] for i in from_row["images"]] == [i["sha256"] for i in sample["images"]]
+    assert from_row["prompt"] == sample["prompt"] and [i["sha256"] for i in from_row["images"]] == [
+        i["sha256"] for i in sample["images"]
+    ]
     assert from_row["answer"] == sample["columns"]["answer"] and len(from_row["results"]) == 1
     assert page.errors == [], page.errors
     context.close()

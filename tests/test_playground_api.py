@@ -391,3 +391,20 @@ def test_a_queued_generation_says_it_waits_behind_training(play):
     worker.current_run = None
     worker.beat()
     assert "a free worker" in client.get(f"{API}/generate/{job_id}").json()["message"]
+
+
+def test_neither_the_web_side_nor_the_workers_celery_process_loads_the_training_stack():
+    """The routes and the job handler run torch-free: torch lives in the worker's playground process only."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, collage.app.routers.playground, collage.app.playground, collage.app.store.uploads, "
+        "collage.worker.playground;"
+        "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'peft', 'collage.training.generation') "
+        "if m in sys.modules];"
+        "print(heavy)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -291,3 +291,34 @@ def test_the_process_exits_after_its_idle_time_and_a_new_one_serves_the_next(pla
     assert second["status"] == "succeeded" and second["result"]["pid"] != pid
     assert not second["result"]["results"][0]["reused"]  # loaded afresh by the new process
     PROCESS.stop("end of the test")
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited (its parent, gone, never waited for it)
+
+
+def test_the_playground_process_ends_with_its_worker_even_while_busy():
+    """The worker killed with SIGKILL: its playground process exits too, even when nothing closes its input (a
+    process in the middle of a generation reads no input); here the test itself keeps that input open."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, subprocess, sys, time\n"
+        "env = dict(os.environ, COLLAGE_PLAYGROUND_PARENT=str(os.getpid()), COLLAGE_PLAYGROUND_TTL='600')\n"
+        "child = subprocess.Popen([sys.executable, '-m', 'collage.worker.playground_child'], stdin=sys.stdin, env=env)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pid = int(worker.stdout.readline())
+    wait_for(lambda: _running(pid) and "playground_child" in Path(f"/proc/{pid}/cmdline").read_text(), 30, "the child")
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    wait_for(lambda: not _running(pid), 60, "the playground process to end with its worker")
+    worker.stdin.close()
