@@ -11,13 +11,13 @@ from __future__ import annotations
 import io
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from .dashboard_support import login, shoot, small_config, wait_done, wait_js
+from .test_workers import wait_for
 
 TTL = 20  # seconds the worker's playground process keeps its models without a request (short for the test)
 
@@ -62,16 +62,6 @@ def _job(server, job_id: str):
         engine.dispose()
 
 
-def _wait(predicate, what: str, timeout: float = 300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _red_png(path: Path) -> Path:
     image = Image.new("RGB", (64, 48), (30, 30, 200))
     image.paste((230, 20, 20), (8, 8, 30, 30))
@@ -95,14 +85,15 @@ def _generation_id(page) -> str:
             raise AssertionError(f"the page shows: {problems}")
         return "id=" in page.url
 
-    _wait(created, "the page to show the generation's id")
+    wait_for(created, 300, "the page to show the generation's id")
     return re.search(r"[?&]id=([0-9a-f]+)", page.url).group(1)
 
 
 def _finished(page, server, timeout: float = 600) -> dict:
     job_id = _generation_id(page)
-    _wait(lambda: page.locator("#pg-status").get_attribute("data-status") in ("succeeded", "failed", "cancelled"),
-          f"generation {job_id} to end", timeout)  # fmt: skip
+    status = page.locator("#pg-status")
+    wait_for(lambda: status.get_attribute("data-status") in ("succeeded", "failed", "cancelled"), timeout,
+             f"generation {job_id} to end")  # fmt: skip
     return server["client"].get(f"/generate/{job_id}").json()
 
 
@@ -153,7 +144,7 @@ def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_b
 
     # again: the worker's playground process still has both models loaded, and answers the same for the same seed
     page.click("#generate")
-    _wait(lambda: _generation_id(page) != job["id"], "the second generation")
+    wait_for(lambda: _generation_id(page) != job["id"], 300, "the second generation")
     again = _finished(page, server)
     assert again["status"] == "succeeded" and all(r["reused"] for r in again["results"]), again
     assert [c["text"] for c in again["results"][0]["completions"]] == [c["text"] for c in run_result["completions"]]
@@ -161,7 +152,7 @@ def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_b
     pid = _job(server, again["id"]).result["pid"]
     assert pid == _job(server, job["id"]).result["pid"]
     # idle for the TTL: the process exits (its memory goes back)
-    _wait(lambda: not Path(f"/proc/{pid}").exists(), "the idle playground process to exit", TTL + 120)
+    wait_for(lambda: not Path(f"/proc/{pid}").exists(), TTL + 120, "the idle playground process to exit")
 
     # a rollout row of the run as the prompt: its conversation, images and answer, sent as stored
     page.click("#rows-load")
@@ -172,7 +163,7 @@ def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_b
     assert page.input_value("#answer") == str(sample["columns"]["answer"])
     page.uncheck("#second-on")
     page.click("#generate")
-    _wait(lambda: _generation_id(page) != again["id"], "the third generation")
+    wait_for(lambda: _generation_id(page) != again["id"], 300, "the third generation")
     from_row = _finished(page, server)
     assert from_row["status"] == "succeeded", from_row
     assert from_row["prompt"] == sample["prompt"] and [i["sha256"] for i in from_row["images"]] == [
@@ -193,7 +184,7 @@ def test_cancel_from_the_keyboard_on_a_phone_sized_screen(browser, server):
     page.fill("#max_new_tokens", "1024")
     page.focus("#generate")
     page.keyboard.press("Enter")
-    _wait(lambda: "generating" in page.locator("#pg-message").inner_text(), "the generation to start", 300)
+    wait_for(lambda: "generating" in page.locator("#pg-message").inner_text(), 300, "the generation to start")
     shoot(page, "playground-390")
     assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the phone
     page.focus("#cancel")
@@ -210,21 +201,21 @@ def test_a_generation_waits_behind_training_and_a_training_stops_the_playground_
     busy = small_config("busy", max_steps=200)
     busy["rewards"] = [{"name": "tests.rewards_for_tests:sleepy", "args": {"delay": 0.5}}]
     run_id = client.post("/runs", json=busy).json()["id"]
-    _wait(lambda: client.get(f"/runs/{run_id}").json()["progress"]["step"] >= 1, "the training to run")
+    wait_for(lambda: client.get(f"/runs/{run_id}").json()["progress"]["step"] >= 1, 300, "the training to run")
     body = {"models": [{"path": "tiny:qwen2-vl"}], "prompt": "Say a number.", "max_new_tokens": 4}
     job_id = client.post("/generate", json=body).json()["id"]
     waiting = client.get(f"/generate/{job_id}").json()
     assert waiting["status"] == "queued" and waiting["queue_position"] == 1, waiting
     assert "waiting behind training" in waiting["message"] and f"run {run_id}" in waiting["message"], waiting
     assert client.post(f"/runs/{run_id}/cancel").status_code == 200
-    done = _wait(lambda: (j := client.get(f"/generate/{job_id}").json())["status"] in ("succeeded", "failed") and j,
-                 "the generation to run once the worker is free", 600)  # fmt: skip
+    done = wait_for(lambda: (j := client.get(f"/generate/{job_id}").json())["status"] in ("succeeded", "failed") and j,
+                    600, "the generation to run once the worker is free")  # fmt: skip
     assert done["status"] == "succeeded", done
     pid = _job(server, job_id).result["pid"]
     assert Path(f"/proc/{pid}").exists()
     # a training starting on this worker gets the memory: the playground process is stopped at once
     short = client.post("/runs", json=small_config("after", max_steps=1)).json()["id"]
-    _wait(lambda: not Path(f"/proc/{pid}").exists(), "the playground process to stop")
+    wait_for(lambda: not Path(f"/proc/{pid}").exists(), 300, "the playground process to stop")
     log = (server["home"] / "serve.log").read_text()
     assert f"collage playground {pid}: the worker closed its pipe: exiting" in log  # stopped, not idle
     assert f"collage playground {pid}: no request for" not in log
