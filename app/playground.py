@@ -176,37 +176,42 @@ def _run_config(run: Run) -> RunConfig:
 
 
 def best_checkpoint(checkpoints: list[Checkpoint], greater: bool) -> Checkpoint | None:
-    """The checkpoint with the best recorded metric (ties: the later step), None when none has one."""
-    scored = [c for c in checkpoints if c.metric is not None]
-    if not scored:
-        return None
-    return max(scored, key=lambda c: ((c.metric if greater else -c.metric), c.step))  # type: ignore[operator]
+    """The checkpoint with the best recorded metric, None when none has one. TRL's rule (the trainer's too): a
+    checkpoint is the best only when it beats the best so far strictly, so of equal values the earliest wins."""
+    best: Checkpoint | None = None
+    for c in sorted(checkpoints, key=lambda c: c.step):
+        if c.metric is None or c.metric != c.metric:  # None or NaN: nothing to compare
+            continue
+        if best is None or (c.metric > best.metric if greater else c.metric < best.metric):  # type: ignore[operator]
+            best = c
+    return best
 
 
 def find_checkpoint(session: Session, run: Run, step: int | str, config: RunConfig, where: str) -> Checkpoint:
-    """The run's checkpoint at ``step`` (a number, ``best`` or ``last``): 409 when the run has none yet, 404 when
-    that step has none."""
+    """The run's checkpoint at ``step`` (a number, ``best`` or ``last``): 404 for a step without one, 409 for
+    ``last`` or ``best`` of a run without checkpoints or without a best one (as ``GET /runs/{id}/checkpoints/{step}``
+    answers)."""
     checkpoints = list(
         session.scalars(select(Checkpoint).where(col(Checkpoint.run_id) == run.id).order_by(col(Checkpoint.step)))
     )
+    steps = ", ".join(str(c.step) for c in checkpoints[-20:]) or "none yet"
+    if isinstance(step, int):
+        found = next((c for c in checkpoints if c.step == step), None)
+        if found is None:
+            raise Refused(404, where, f"run {run.id} has no checkpoint at step {step}; its checkpoints: {steps}")
+        return found
     if not checkpoints:
         raise Refused(
             409, where, f"run {run.id} has no checkpoint yet (it saves one every train.save_steps and at its end)"
         )
-    steps = ", ".join(str(c.step) for c in checkpoints[-20:])
     if step == "last":
         return checkpoints[-1]
-    if step == "best":
-        metric = config.train.metric_for_best_model
-        best = best_checkpoint(checkpoints, config.train.best_is_greater) if metric else None
-        if best is None:
-            why = "train.metric_for_best_model is not set" if not metric else f"no checkpoint has a recorded {metric}"
-            raise Refused(404, where, f"run {run.id} has no best checkpoint: {why}; ask for last or a step ({steps})")
-        return best
-    found = next((c for c in checkpoints if c.step == step), None)
-    if found is None:
-        raise Refused(404, where, f"run {run.id} has no checkpoint at step {step}; it has steps {steps}")
-    return found
+    metric = config.train.metric_for_best_model
+    best = best_checkpoint(checkpoints, config.train.best_is_greater) if metric else None
+    if best is None:
+        why = "train.metric_for_best_model is not set" if not metric else f"no checkpoint has a value of {metric} yet"
+        raise Refused(409, where, f"run {run.id} has no best checkpoint: {why}; ask for last or a step ({steps})")
+    return best
 
 
 def base_model_problem(path: str, settings: Settings) -> str | None:

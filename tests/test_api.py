@@ -64,10 +64,9 @@ def test_every_route_but_health_needs_a_token(api):
         ("GET", "/tokens"), ("POST", "/tokens"), ("DELETE", "/tokens/x"), ("POST", "/tokens/x/link"), ("GET", "/audit"),
         ("PATCH", "/runs/x"), ("GET", "/runs/x/histogram"), ("GET", "/workers"), ("GET", "/runs/x/samples/count"),
     ]  # fmt: skip
-    routes += [("POST", "/images"), ("GET", "/uploads"), ("POST", "/generate"), ("GET", "/generate/x"),
-               ("POST", "/generate/x/cancel")]  # the playground (issue 18)  # fmt: skip
-    documented = {(m, p.replace("{run_id}", "x").replace("{sha256}", "a" * 64).replace("{name}", "x")
-                  .replace("{job_id}", "x")) for p, item in
+    routes += [("POST", "/images"), ("GET", "/uploads"), ("POST", "/generate"), ("GET", "/generate/{job_id}"),
+               ("POST", "/generate/{job_id}/cancel")]  # the playground (issue 18)  # fmt: skip
+    documented = {(m, p.replace("{run_id}", "x").replace("{sha256}", "a" * 64).replace("{name}", "x")) for p, item in
                   app.openapi()["paths"].items() for m in item if p != f"{API}/health" for m in [m.upper()]}  # fmt: skip
     assert {(m, API + p) for m, p in routes} == documented, "every contract route exists, and only those"
     for method, path in routes:

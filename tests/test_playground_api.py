@@ -266,14 +266,15 @@ def test_generate_validates_models_steps_paths_and_images(play, tmp_path):
     # unknown step: 404 naming the steps there are; unknown run: 404
     response = client.post(API + "/generate", json=_request(models=[{"run": run, "step": 3}]))
     assert response.status_code == 404 and "no checkpoint at step 3" in response.json()["detail"]
-    assert "steps 2, 4" in response.json()["detail"]
+    assert "its checkpoints: 2, 4" in response.json()["detail"]
     assert client.post(API + "/generate", json=_request(models=[{"run": "nope"}])).status_code == 404
-    # best without a metric for it: 404 saying why
+    # best without a metric for it: 409 saying why
     best = client.post(API + "/generate", json=_request(models=[{"run": run, "step": "best"}]))
-    assert best.status_code == 404 and "metric_for_best_model is not set" in best.json()["detail"]
-    # a run without checkpoints: 409
+    assert best.status_code == 409 and "metric_for_best_model is not set" in best.json()["detail"]
+    # a run without checkpoints: 409 (its last one); a step of it: 404
     response = client.post(API + "/generate", json=_request(models=[{"run": bare}]))
     assert response.status_code == 409 and "no checkpoint yet" in response.json()["detail"]
+    assert client.post(API + "/generate", json=_request(models=[{"run": bare, "step": 1}])).status_code == 404
     # paths outside the roots, relative paths and hub ids: 422 naming the field; a path under the roots is fine
     for path in ["/etc", str(tmp_path / "models" / ".." / "secret"), "models/x", "Qwen/Qwen2-VL-2B-Instruct",
                  "tiny:gpt2"]:  # fmt: skip
@@ -408,3 +409,15 @@ def test_neither_the_web_side_nor_the_workers_celery_process_loads_the_training_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_best_checkpoint_follows_the_trainers_rule():
+    from collage.app.models import Checkpoint
+    from collage.app.playground import best_checkpoint
+
+    made = [
+        Checkpoint(run_id="r", step=s, path=f"/c/{s}", metric=m) for s, m in [(6, None), (2, 0.5), (4, 0.5), (8, 0.1)]
+    ]
+    assert best_checkpoint(made, greater=True).step == 2  # equal values: the earliest (a later one must beat it)
+    assert best_checkpoint(made, greater=False).step == 8  # a loss: the smallest
+    assert best_checkpoint([Checkpoint(run_id="r", step=1, path="/c/1", metric=float("nan"))], greater=True) is None
