@@ -1,9 +1,14 @@
 """ASGI guards in front of every route: refuse request bodies above a size limit (413) before the app reads them,
-and NUL bytes in query or path parameters (422)."""
+and NUL bytes in query or path parameters (422).
+
+One limit holds for every route (JSON bodies: 1 MiB), except the routes given their own (``routes``: an image
+upload may be larger); either way the bound is enforced on the declared ``Content-Length`` and again on the bytes
+as they arrive, so a body is never read past it."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -23,22 +28,26 @@ async def _send_json(send, status: int, content: Any) -> None:
 
 
 class BodySizeLimit:
-    def __init__(self, app, max_bytes: int):
+    """``max_bytes`` for every request body; ``routes`` maps ``(method, path)`` to a route's own limit."""
+
+    def __init__(self, app, max_bytes: int, routes: Mapping[tuple[str, str], int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.routes = dict(routes or {})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.routes.get((scope.get("method", ""), scope.get("path", "")), self.max_bytes)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None:
             try:
-                too_big = int(length) > self.max_bytes
+                too_big = int(length) > limit
             except ValueError:
                 return await self._reject(send, 400, "Content-Length is not a number")
             if too_big:
-                return await self._reject(send, 413, f"request body is larger than {self.max_bytes} bytes")
+                return await self._reject(send, 413, f"request body is larger than {limit} bytes")
         seen = 0
 
         async def limited_receive():
@@ -46,14 +55,14 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     raise _TooLarge
             return message
 
         try:
             await self.app(scope, limited_receive, send)
         except _TooLarge:
-            await self._reject(send, 413, f"request body is larger than {self.max_bytes} bytes")
+            await self._reject(send, 413, f"request body is larger than {limit} bytes")
 
     @staticmethod
     async def _reject(send, status: int, detail: str):

@@ -62,7 +62,9 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     Path(settings.artifacts).mkdir(parents=True, exist_ok=True)
     # innermost: every route's store errors become 503 + Retry-After (a dropped connection retried once for reads)
     app.add_middleware(StoreUnavailable)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    from .routers.playground import upload_body_limit
+
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, routes=upload_body_limit(settings))
     app.add_middleware(RefuseNul)
     from starlette.staticfiles import StaticFiles
     from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
@@ -112,6 +114,9 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     routers += (checkpoints, exports)
     for router in (module.router for module in routers):
         app.include_router(router, prefix=API)
+    from .routers import playground
+
+    app.include_router(playground.router, prefix=API)
 
     # the token check is a plain function (app/auth.py), so the schema would not say that routes take a bearer
     # token: declared here, Swagger UI shows its Authorize button and sends the token with "Try it out"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from collage.training.config import IMAGES_MAX, JSON_MAX_DEPTH, SEED_MAX, TOKENS_MAX, json_problem, no_nul
 
@@ -365,3 +365,166 @@ class ExportOut(BaseModel):
     finished_at: datetime | None
     download_url: str | None = Field(description="the exported folder as a tar, once it has succeeded")
     removed: str | None = Field(description="why the exported folder is gone (null: it is there, or not yet made)")
+
+
+# ------------------------------------------------------------------------------------------- the playground
+PROMPT_TEXT_MAX = 20_000  # characters of prompt text (a string, or all text parts of a conversation)
+GENERATIONS_MAX = 16  # completions per model of one generation
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="an image's SHA-256, from POST /images")]
+ColumnValue = Annotated[str, Field(max_length=2000)] | int | float | bool | None
+
+
+class PlaygroundModelRef(_Request):
+    """A model to generate with: a run's checkpoint (``run`` and ``step``: a number, ``best`` or ``last``, default
+    ``last``) or a base model (``path``: ``tiny:<family>`` or a model folder under COLLAGE_MODEL_ROOTS)."""
+
+    run: str | None = Field(None, min_length=1, max_length=32)
+    step: Annotated[int, Field(ge=0, le=2**31 - 1)] | Literal["best", "last"] | None = None
+    path: str | None = Field(None, min_length=1, max_length=500)
+
+    @model_validator(mode="after")
+    def _one_model(self) -> PlaygroundModelRef:
+        if (self.run is None) == (self.path is None):
+            raise ValueError("give run (and step) or path, one of them")
+        if self.path is not None and self.step is not None:
+            raise ValueError("step goes with run, not with path")
+        return self
+
+
+class ChatPart(_Request):
+    type: Literal["text", "image", "image_url"]
+    text: str | None = Field(None, max_length=PROMPT_TEXT_MAX)
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, Field(max_length=PROMPT_TEXT_MAX)] | Annotated[list[ChatPart], Field(max_length=256)]
+
+    def text_length(self) -> int:
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(p.text or "") for p in self.content)
+
+
+class GenerateRequest(_Request):
+    """``POST /generate``: one prompt with its images, answered by one or two models side by side."""
+
+    models: list[PlaygroundModelRef] = Field(min_length=1, max_length=2, description="one or two models")
+    prompt: (
+        Annotated[str, Field(max_length=PROMPT_TEXT_MAX)]
+        | Annotated[list[ChatMessage], Field(min_length=1, max_length=32)]
+    ) = Field(
+        description="text (the images go before it, unless it places them with [image 1], [image 2], ...) or a "
+        "conversation with one {type: image} part per image (a rollout row's prompt)"
+    )
+    images: list[Sha256] = Field(default_factory=list, max_length=IMAGES_MAX, description="uploaded or stored images")
+    answer: Annotated[str, Field(max_length=2000)] | int | float | None = Field(
+        None, description="the expected answer: with it, every reward of the run is computed on each completion"
+    )
+    columns: dict[Annotated[str, Field(min_length=1, max_length=100)], ColumnValue] | None = Field(
+        None, max_length=32, description="other dataset columns for the rewards (a rollout row's `columns`)"
+    )
+    num_generations: int = Field(2, ge=1, le=GENERATIONS_MAX, description="completions per model")
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(64, ge=1, le=TOKENS_MAX, description="at most COLLAGE_PLAYGROUND_MAX_NEW_TOKENS")
+    seed: int | None = Field(
+        None, ge=0, le=SEED_MAX, description="the same seed, model and input: the same completions"
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_prompt(cls, value: str | list[ChatMessage]) -> str | list[ChatMessage]:
+        if isinstance(value, list) and sum(m.text_length() for m in value) > PROMPT_TEXT_MAX:
+            raise ValueError(f"holds more than {PROMPT_TEXT_MAX} characters of text")
+        return value
+
+    @field_validator("columns")
+    @classmethod
+    def _plain_columns(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and (problem := json_problem(value, max_bytes=None)) is not None:
+            raise ValueError(problem)
+        return value
+
+    def conversation(self) -> str | list[dict[str, Any]]:
+        """The prompt as plain JSON (a string, or the conversation's messages as dicts)."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return [m.model_dump(exclude_none=True) for m in self.prompt]
+
+
+class GenerateCreated(BaseModel):
+    id: str
+    status: Literal["queued"]
+    url: str
+
+
+class PlaygroundModelOut(BaseModel):
+    label: str
+    kind: str = Field(description="base (a path), full or adapter (a run's checkpoint)")
+    path: str | None = Field(description="tiny:<family> or the base model's folder; null for a run's checkpoint")
+    run: str | None
+    run_name: str | None
+    step: int | None
+
+
+class PlaygroundCompletion(BaseModel):
+    text: str
+    tokens: int
+    truncated: bool = Field(description="no end of turn within max_new_tokens")
+    logprob: float | None = Field(description="the completion's log-probability under the model (temperature 1)")
+    reward: float | None = Field(description="the run's weighted reward total; null without an answer")
+
+
+class PlaygroundResult(BaseModel):
+    model: PlaygroundModelOut
+    completions: list[PlaygroundCompletion]
+    rewards: dict[str, list[float | None]] | None = Field(
+        description="each reward function's value per completion (as training computes it); null without an answer"
+    )
+    reward_weights: dict[str, float] | None
+    reward_errors: dict[str, str] | None = Field(description="rewards that could not be computed, and why")
+    prompt_tokens: int
+    image_tokens: int
+    seconds: float = Field(description="wall-clock seconds of loading (when not already loaded) and generating")
+    reused: bool = Field(description="the model was already loaded in the worker's playground process")
+    device: str
+
+
+class GenerationOut(BaseModel):
+    id: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"] = Field(
+        description="a generation being cancelled shows as running until it stops"
+    )
+    queue_position: int | None = Field(description="1-based among the queued jobs of its queue; null once started")
+    message: str | None = Field(description="what it is doing or waiting for")
+    progress: float
+    queue: str
+    models: list[PlaygroundModelOut]
+    prompt: list[dict[str, Any]] = Field(description="the conversation the models were given, one image part per image")
+    images: list[ImageRef] = Field(description="the images, in the order of the prompt's image parts")
+    answer: str | int | float | None
+    sampling: dict[str, Any] = Field(description="num_generations, temperature, top_p, max_new_tokens, seed")
+    results: list[PlaygroundResult]
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    worker: str | None
+    url: str
+
+
+class UploadOut(BaseModel):
+    sha256: str
+    width: int
+    height: int
+    bytes: int = Field(description="the stored PNG's size (what counts against the quota)")
+    url: str
+    thumb_url: str
+    new: bool = Field(description="false: this token had uploaded the same image before (not counted again)")
+
+
+class UploadsOut(BaseModel):
+    items: list[UploadOut]
+    used_bytes: int
+    quota_bytes: int

@@ -33,6 +33,15 @@ ENV_VARS = (
     "COLLAGE_TRAIN_NICE",
     "COLLAGE_REQUEUE_AFTER",
     "COLLAGE_MIN_FREE_DISK_MB",
+    # the playground (issue 18): uploads and generations
+    "COLLAGE_PLAYGROUND_TTL",
+    "COLLAGE_PLAYGROUND_TIMEOUT",
+    "COLLAGE_PLAYGROUND_PER_USER",
+    "COLLAGE_PLAYGROUND_MAX_IMAGES",
+    "COLLAGE_PLAYGROUND_MAX_NEW_TOKENS",
+    "COLLAGE_UPLOAD_MAX_BYTES",
+    "COLLAGE_UPLOAD_MAX_PIXELS",
+    "COLLAGE_UPLOAD_QUOTA_MB",
 )
 
 
@@ -94,6 +103,16 @@ class Settings:
     train_nice: int | None = None
     requeue_after: float = 60.0  # a run queued this long without a message in the broker is sent again
     min_free_disk_mb: int = 1024  # /health reports a disk (home, artifacts, SQLite store) with less free as low
+    # --- the playground (issue 18; docs/playground.md) ---
+    # seconds a worker's playground process keeps its model(s) loaded without a request, then exits (memory back)
+    playground_ttl: float = 600.0
+    playground_timeout: float = 900.0  # seconds one model's load and generation may take; then its process is killed
+    playground_per_user: int = 4  # generations one token may have queued or running at once (429 beyond)
+    playground_max_images: int = 16  # images one generation's prompt may hold
+    playground_max_new_tokens: int = 1024  # the largest max_new_tokens a generation may ask for
+    upload_max_bytes: int = 10 << 20  # an uploaded image file above this is refused (413) while it is read
+    upload_max_pixels: int = 40_000_000  # an upload whose header announces more pixels is refused before decoding
+    upload_quota_mb: int = 200  # megabytes of (re-encoded) uploads one token may keep (429 beyond)
 
     def training_nice(self, embedded: bool) -> int:
         if self.train_nice is not None:
@@ -135,6 +154,14 @@ class Settings:
             train_nice=_nice(os.environ.get("COLLAGE_TRAIN_NICE")),
             requeue_after=float(os.environ.get("COLLAGE_REQUEUE_AFTER", 60.0)),
             min_free_disk_mb=int(os.environ.get("COLLAGE_MIN_FREE_DISK_MB", 1024)),
+            playground_ttl=float(os.environ.get("COLLAGE_PLAYGROUND_TTL", 600.0)),
+            playground_timeout=float(os.environ.get("COLLAGE_PLAYGROUND_TIMEOUT", 900.0)),
+            playground_per_user=int(os.environ.get("COLLAGE_PLAYGROUND_PER_USER", 4)),
+            playground_max_images=int(os.environ.get("COLLAGE_PLAYGROUND_MAX_IMAGES", 16)),
+            playground_max_new_tokens=int(os.environ.get("COLLAGE_PLAYGROUND_MAX_NEW_TOKENS", 1024)),
+            upload_max_bytes=int(os.environ.get("COLLAGE_UPLOAD_MAX_BYTES", 10 << 20)),
+            upload_max_pixels=int(os.environ.get("COLLAGE_UPLOAD_MAX_PIXELS", 40_000_000)),
+            upload_quota_mb=int(os.environ.get("COLLAGE_UPLOAD_QUOTA_MB", 200)),
         )
 
 

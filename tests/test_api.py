@@ -66,6 +66,8 @@ def test_every_route_but_health_needs_a_token(api):
         ("GET", "/runs/x/checkpoints"), ("GET", "/runs/x/checkpoints/{step}/download"), ("POST", "/runs/x/exports"),
         ("GET", "/exports/{job_id}"), ("GET", "/exports/{job_id}/download"), ("POST", "/exports/{job_id}/cancel"),
     ]  # fmt: skip
+    routes += [("POST", "/images"), ("GET", "/uploads"), ("POST", "/generate"), ("GET", "/generate/{job_id}"),
+               ("POST", "/generate/{job_id}/cancel")]  # the playground (issue 18)  # fmt: skip
     documented = {(m, p.replace("{run_id}", "x").replace("{sha256}", "a" * 64).replace("{name}", "x")) for p, item in
                   app.openapi()["paths"].items() for m in item if p != f"{API}/health" for m in [m.upper()]}  # fmt: skip
     assert {(m, API + p) for m, p in routes} == documented, "every contract route exists, and only those"

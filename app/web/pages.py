@@ -195,3 +195,13 @@ def compare_page(request: Request, ids: str = "") -> Response:
     if len(runs) < 2:
         return _render(request, "error.html", 400, message="Pick two or more runs to compare (from the runs page).")
     return _render(request, "compare.html", page="compare", runs=runs)
+
+
+@router.get("/playground")
+def playground_page(request: Request, run: str = "") -> Response:
+    """Try one or two models (a run's checkpoint, a base model) on a prompt with uploaded images (docs/playground.md);
+    ``?run=<id>`` starts with that run picked."""
+    if _user(request) is None:
+        return _login_redirect(request)
+    settings = request.app.state.settings
+    return _render(request, "playground.html", page="playground", run=run[:32], settings=settings)

@@ -1,0 +1,272 @@
+"""The playground's request side (torch-free, the web node runs it): uploads cleaned into plain PNGs, a prompt and
+its images made into the conversation training would see, and each model of a request resolved to what a worker
+loads (a run's checkpoint, or a base model under the operator's roots).
+
+Everything here either returns what the job needs or raises :class:`Refused` with the HTTP status, the request
+field and a message in the user's terms; the routes (``app.routers.playground``) turn that into the answer.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+from sqlalchemy import select
+from sqlmodel import Session, col
+
+from collage.training.config import ConfigError, RunConfig, parse_config
+from collage.training.data.rows import RowError, normalise_prompt
+from collage.training.images import RASTER_FORMATS, ImageRefused, decode_raster
+from collage.training.models.families import TINY_FAMILIES
+
+from .models import Checkpoint, Run
+from .settings import Settings
+from .trust import TINY, confined, is_hub_id, is_local, outside_message
+
+# the formats an upload may have: the raster allowlist of training.images, narrowed to what browsers and cameras
+# write (MPO is how Pillow names a multi-picture JPEG, decoded by the same JPEG decoder)
+UPLOAD_FORMATS: tuple[str, ...] = tuple(f for f in RASTER_FORMATS if f in ("PNG", "JPEG", "WEBP"))
+UPLOAD_FORMAT_NAMES = "PNG, JPEG or WebP"
+DECODED_AS = {"PNG": "PNG", "JPEG": "JPEG", "MPO": "JPEG", "WEBP": "WEBP"}
+
+# the built-in rewards a base model (no run, so no reward list of its own) is scored with when an answer is given
+BASE_REWARDS: tuple[dict[str, Any], ...] = (
+    {"name": "accuracy", "weight": 1.0, "args": {}, "on_images_for_text_reward": "error"},
+    {"name": "format", "weight": 1.0, "args": {}, "on_images_for_text_reward": "error"},
+)
+
+
+class Refused(Exception):
+    """A request the playground cannot take: ``status`` (404, 409, 413, 422), the request field, the reason."""
+
+    def __init__(self, status: int, path: str, message: str):
+        super().__init__(message)
+        self.status, self.path, self.message = status, path, message
+
+
+# ---------------------------------------------------------------------------------------------------- uploads
+@dataclass(frozen=True)
+class CleanImage:
+    png: bytes  # RGB, no metadata
+    width: int
+    height: int
+    source_format: str  # PNG, JPEG or WEBP: what was uploaded
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """The image as plain RGB: transparency flattened onto white (a model sees no alpha channel)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        flat = Image.new("RGB", rgba.size, (255, 255, 255))
+        flat.paste(rgba, mask=rgba.getchannel("A"))
+        return flat
+    return image.convert("RGB")
+
+
+def clean_upload(data: bytes, max_pixels: int) -> CleanImage:
+    """Decode an uploaded file (PNG, JPEG or WebP only; the header's size checked against ``max_pixels`` before any
+    pixel is decoded), turn it upright (EXIF orientation), flatten it to RGB and encode it again as a PNG built from
+    the pixels alone: no EXIF, no GPS, no ICC profile, no text chunk of the original survives. ``ImageRefused`` says
+    what is wrong (the route names the field)."""
+    if not data:
+        raise ImageRefused("is empty (0 bytes)")
+    try:
+        with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as probe:
+            fmt, (width, height) = probe.format or "", probe.size
+    except UnidentifiedImageError:
+        raise ImageRefused(f"is not a {UPLOAD_FORMAT_NAMES} image (the playground takes only these formats)") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageRefused(f"is too large to decode: {exc}") from None
+    except (OSError, SyntaxError, ValueError, TypeError, EOFError) as exc:
+        raise ImageRefused(f"is unreadable: {exc}") from None
+    if width * height > max_pixels:
+        raise ImageRefused(
+            f"is {width}x{height} pixels, more than the {max_pixels} an upload may have (COLLAGE_UPLOAD_MAX_PIXELS; "
+            "a decompression bomb?)"
+        )
+    image = decode_raster(data)  # the project's one checked decoder: the raster allowlist, the pixel bound
+    if DECODED_AS.get(image.format or "") != DECODED_AS.get(fmt):
+        raise ImageRefused(f"is not a {UPLOAD_FORMAT_NAMES} image")
+    try:
+        upright = ImageOps.exif_transpose(image) or image
+        rgb = _rgb(upright)
+    except (OSError, ValueError) as exc:
+        raise ImageRefused(f"has pixels that cannot be turned into RGB (mode {image.mode}): {exc}") from None
+    bare = Image.frombytes("RGB", rgb.size, rgb.tobytes())  # a new image: none of the original's metadata
+    buf = io.BytesIO()
+    bare.save(buf, format="PNG")
+    return CleanImage(buf.getvalue(), bare.width, bare.height, DECODED_AS[fmt])
+
+
+# ----------------------------------------------------------------------------------------------------- prompts
+MARKER = re.compile(r"\[image (\d+)\]")
+
+
+def prompt_conversation(prompt: str | list[dict[str, Any]], num_images: int) -> tuple[list[dict[str, Any]], list[int]]:
+    """The conversation the model sees, with one ``{"type": "image"}`` part per image, and the order in which the
+    request's images fill those parts (0-based indices into the request's ``images``).
+
+    A string without markers is one user turn with the images before the text, as training makes a plain-string
+    dataset prompt. A string that places ``[image N]`` markers (1-based, the dashboard's notation for where an
+    image stands) gets image N where its marker is; then every image must be placed exactly once. A conversation
+    (a rollout row's prompt, as stored) is taken as it is and must hold one placeholder per image.
+    :class:`Refused` (422, ``prompt``) otherwise."""
+    in_order = list(range(num_images))
+    if not isinstance(prompt, str):
+        try:
+            return normalise_prompt(0, prompt, num_images), in_order
+        except RowError as exc:
+            raise Refused(422, "prompt", exc.message.replace("the row has", "the request has")) from None
+    marks = [int(m.group(1)) for m in MARKER.finditer(prompt)]
+    if not marks:
+        return normalise_prompt(0, prompt, num_images), in_order
+    wrong = sorted({n for n in marks if not 1 <= n <= num_images})
+    if wrong:
+        raise Refused(422, "prompt", f"places [image {wrong[0]}] but the request has {num_images} image(s)")
+    twice = sorted({n for n in marks if marks.count(n) > 1})
+    if twice:
+        raise Refused(422, "prompt", f"places [image {twice[0]}] more than once: each image goes in one place")
+    missing = [n for n in range(1, num_images + 1) if n not in marks]
+    if missing:
+        raise Refused(
+            422, "prompt", f"places some images but not [image {missing[0]}]: place every image, or none (then "
+            "the images go before the text)"
+        )  # fmt: skip
+    parts: list[dict[str, Any]] = []
+    for k, text in enumerate(MARKER.split(prompt)):
+        if k % 2:
+            parts.append({"type": "image"})
+        elif text:
+            parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}], [n - 1 for n in marks]
+
+
+# ------------------------------------------------------------------------------------------------------ models
+@dataclass
+class ResolvedModel:
+    """What a worker loads for one model of a request (the job's request JSON holds it)."""
+
+    label: str
+    kind: str  # "base" (a path), "full" or "adapter" (a run's checkpoint), or "checkpoint" (recorded before 0007)
+    path: str  # tiny:<family>, a model folder under the roots, or a checkpoint's model/ folder
+    base: str | None = None  # an adapter's base model: the run's model.path
+    dtype: str = "auto"
+    run: str | None = None
+    run_name: str | None = None
+    step: int | None = None
+    max_prompt_length: int | None = None  # the run's: the prompt is truncated as in training
+    max_completion_length: int | None = None  # the run's (the `length` reward's bound)
+    rewards: list[dict[str, Any]] | None = None  # the run's reward list (a base model: accuracy and format)
+    queue: str = "default"
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _run_config(run: Run) -> RunConfig:
+    try:
+        return parse_config(run.config)
+    except ConfigError as exc:
+        raise Refused(409, "models", f"run {run.id}'s stored config no longer loads: {exc}") from None
+
+
+def best_checkpoint(checkpoints: list[Checkpoint], greater: bool) -> Checkpoint | None:
+    """The checkpoint with the best recorded metric, None when none has one. TRL's rule (the trainer's too): a
+    checkpoint is the best only when it beats the best so far strictly, so of equal values the earliest wins."""
+    best: Checkpoint | None = None
+    for c in sorted(checkpoints, key=lambda c: c.step):
+        if c.metric is None or c.metric != c.metric:  # None or NaN: nothing to compare
+            continue
+        if best is None or (c.metric > best.metric if greater else c.metric < best.metric):  # type: ignore[operator]
+            best = c
+    return best
+
+
+def find_checkpoint(session: Session, run: Run, step: int | str, config: RunConfig, where: str) -> Checkpoint:
+    """The run's checkpoint at ``step`` (a number, ``best`` or ``last``): 404 for a step without one, 409 for
+    ``last`` or ``best`` of a run without checkpoints or without a best one (as ``GET /runs/{id}/checkpoints/{step}``
+    answers)."""
+    checkpoints = list(
+        session.scalars(select(Checkpoint).where(col(Checkpoint.run_id) == run.id).order_by(col(Checkpoint.step)))
+    )
+    steps = ", ".join(str(c.step) for c in checkpoints[-20:]) or "none yet"
+    if isinstance(step, int):
+        found = next((c for c in checkpoints if c.step == step), None)
+        if found is None:
+            raise Refused(404, where, f"run {run.id} has no checkpoint at step {step}; its checkpoints: {steps}")
+        return found
+    if not checkpoints:
+        raise Refused(
+            409, where, f"run {run.id} has no checkpoint yet (it saves one every train.save_steps and at its end)"
+        )
+    if step == "last":
+        return checkpoints[-1]
+    metric = config.train.metric_for_best_model
+    best = best_checkpoint(checkpoints, config.train.best_is_greater) if metric else None
+    if best is None:
+        why = "train.metric_for_best_model is not set" if not metric else f"no checkpoint has a value of {metric} yet"
+        raise Refused(409, where, f"run {run.id} has no best checkpoint: {why}; ask for last or a step ({steps})")
+    return best
+
+
+def base_model_problem(path: str, settings: Settings) -> str | None:
+    """Why a base model path may not be loaded by the playground, or None: ``tiny:<family>``, or an absolute folder
+    under COLLAGE_MODEL_ROOTS. A hub id is never downloaded for the playground (nothing outside the roots)."""
+    if TINY.match(path):
+        family = path.removeprefix("tiny:")
+        return (
+            None if family in TINY_FAMILIES else f"no tiny model {path!r}: choose tiny:{', tiny:'.join(TINY_FAMILIES)}"
+        )
+    roots = settings.allowed_model_roots()
+    if is_local(path):
+        return None if confined(path, roots) else outside_message("model folder", "COLLAGE_MODEL_ROOTS", roots)
+    what = "a hub id is not downloaded by the playground" if is_hub_id(path) else "a relative path is never read"
+    return f"the playground loads tiny:<family> or an absolute model folder under the operator's roots ({what})"
+
+
+def resolve_model(session: Session, ref: dict[str, Any], index: int, settings: Settings) -> ResolvedModel:
+    where = f"models[{index}]"
+    if ref.get("path") is not None:
+        path = ref["path"]
+        if (problem := base_model_problem(path, settings)) is not None:
+            raise Refused(422, f"{where}.path", problem)
+        return ResolvedModel(label=path, kind="base", path=path, rewards=[dict(r) for r in BASE_REWARDS])
+    run_id, step = ref["run"], ref.get("step") or "last"
+    run = session.get(Run, run_id) if len(run_id) <= 32 else None
+    if run is None:
+        raise Refused(404, f"{where}.run", f"no run with id {run_id!r}")
+    config = _run_config(run)
+    checkpoint = find_checkpoint(session, run, step, config, f"{where}.step")
+    kind = checkpoint.kind or "checkpoint"
+    asked = f"{step} = step {checkpoint.step}" if isinstance(step, str) else f"step {checkpoint.step}"
+    return ResolvedModel(
+        label=f"{run.name} · {asked}",
+        kind=kind,
+        path=f"{checkpoint.path.rstrip('/')}/model",
+        base=config.model.path,
+        dtype=config.model.dtype,
+        run=run.id,
+        run_name=run.name,
+        step=checkpoint.step,
+        max_prompt_length=config.train.max_prompt_length,
+        max_completion_length=config.train.max_completion_length,
+        rewards=[r.model_dump(mode="json") for r in config.rewards],
+        queue=config.resources.queue,
+    )
+
+
+def model_summary(model: dict[str, Any]) -> dict[str, Any]:
+    """How a resolved model (a job request's ``models`` entry) is shown: no server path but a base model's own."""
+    return {
+        "label": model["label"],
+        "kind": model["kind"],
+        "path": model["path"] if model["kind"] == "base" else None,
+        "run": model.get("run"),
+        "run_name": model.get("run_name"),
+        "step": model.get("step"),
+    }

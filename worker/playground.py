@@ -1,0 +1,296 @@
+"""Playground generations on a worker: the job handler (:func:`run_generate`) and the long-lived process that does
+the work (``collage.worker.playground_child``).
+
+The Celery process never imports torch: it keeps one playground process (:data:`PROCESS`), started for the first
+generation with the worker's GPU slot (its first GPU, or the CPU), and sends it one request per model of a job.
+That process keeps the last job's model(s) loaded for ``COLLAGE_PLAYGROUND_TTL`` seconds (default 600) and then
+exits, giving the memory back; a job for other models replaces them. It is stopped as soon as this worker starts
+a training (the training gets the GPU), and dies with the worker.
+
+Cancel: the job's status is polled while the process works; a cancel creates the request's cancel file, which the
+process looks for between phases and before every forward pass (so a generation stops at its next token), and the
+job ends ``cancelled``. A process that does not stop within COLLAGE_CANCEL_GRACE, or that works longer than
+COLLAGE_PLAYGROUND_TIMEOUT on one model, is killed. A missing checkpoint, an image that cannot be read, running out
+of memory or the process dying all end the job ``failed`` with a message that says so (:class:`JobFailed`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import signals
+
+from collage.app.playground import base_model_problem, model_summary
+from collage.app.settings import Settings
+from collage.app.status import RunStatus
+from collage.app.store import jobs as store
+from collage.app.trust import reward_violation
+
+from .jobs import JobCancelled, JobContext, JobFailed
+
+log = logging.getLogger("collage.worker")
+
+CHILD = "collage.worker.playground_child"
+POLL = 0.5  # seconds between looks at the job's status while the process works
+PHASES = {"received": 0.05, "loading": 0.1, "generating": 0.4, "scoring": 0.9}
+
+
+class _Gone(Exception):
+    """The playground process ended; ``acknowledged``: whether it had begun on the request."""
+
+    def __init__(self, message: str, acknowledged: bool):
+        super().__init__(message)
+        self.acknowledged = acknowledged
+
+
+class PlaygroundProcess:
+    """This worker's playground process: started when a generation needs it, reaped when it exits (its idle
+    timeout, a crash, or a kill), one request at a time."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.buffer = b""
+        self.lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        proc = self.proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def _start(self, settings: Settings) -> subprocess.Popen:
+        from . import tasks
+        from .child import NICE_ENV
+        from .playground_child import PARENT_ENV, TTL_ENV, WORKDIR_ENV
+
+        env = dict(os.environ)
+        if env.get("COLLAGE_HOME"):  # the process works in a folder of its own: the tiny-model cache stays put
+            env["COLLAGE_HOME"] = str(Path(env["COLLAGE_HOME"]).expanduser().absolute())
+        env[TTL_ENV] = str(settings.playground_ttl)
+        env[PARENT_ENV] = str(os.getpid())
+        env[NICE_ENV] = str(settings.training_nice(embedded=bool(os.environ.get("COLLAGE_PARENT_PID"))))
+        env["CUDA_VISIBLE_DEVICES"] = str(tasks.SLOT.gpus[0]) if tasks.SLOT.gpus else ""
+        # it imports from where the worker runs (reward modules, as the training child does), then works in an empty
+        # folder of its own: a relative `org/name` is never taken for a folder there
+        folder = tempfile.mkdtemp(prefix="collage-playground-")
+        env[WORKDIR_ENV] = folder
+        proc = subprocess.Popen(
+            [sys.executable, "-m", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            start_new_session=True,  # its own process group: a Ctrl-C at the worker's terminal is the worker's
+        )  # fmt: skip
+        threading.Thread(target=_reap, args=(proc, folder), name="collage-playground-reaper", daemon=True).start()
+        log.info("playground process %d started (models stay loaded %.0fs without a request)", proc.pid,
+                 settings.playground_ttl)  # fmt: skip
+        self.proc, self.buffer = proc, b""
+        return proc
+
+    def stop(self, why: str) -> None:
+        """End the process now (its models' memory goes back): stdin closed, then killed if it lingers."""
+        with self.lock:
+            self._stop(why)
+
+    def _stop(self, why: str) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        log.info("playground process %d: stopping (%s)", proc.pid, why)
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            _kill(proc)
+
+    def call(self, request: dict[str, Any], context: JobContext, what: str, fraction: tuple[float, float]) -> dict:
+        """The process's answer to ``request`` (its result or ``{"ok": false, ...}``); the job's progress follows its
+        events. :class:`JobCancelled` once the job was cancelled and the process stopped (or was killed),
+        :class:`JobFailed` when it died or ran out of time."""
+        with self.lock:
+            for attempt in (1, 2):
+                proc = (
+                    self.proc if self.proc is not None and self.proc.poll() is None else self._start(context.settings)
+                )
+                try:
+                    return self._exchange(proc, request, context, what, fraction)
+                except _Gone as gone:
+                    self.proc = None
+                    if gone.acknowledged or attempt == 2:
+                        raise JobFailed(f"{what}: {gone}") from None
+                    log.info("playground process %d was gone before it took the request: starting another", proc.pid)
+        raise AssertionError("unreachable")
+
+    def _exchange(
+        self, proc: subprocess.Popen, request: dict[str, Any], context: JobContext, what: str, span: tuple[float, float]
+    ) -> dict[str, Any]:
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise _Gone(_ended(proc), acknowledged=False) from None
+        settings = context.settings
+        cancel = Path(request["cancel"])
+        deadline = time.monotonic() + settings.playground_timeout
+        cancelled_at: float | None = None
+        acknowledged = False
+        fd = proc.stdout.fileno()
+        while True:
+            while b"\n" not in self.buffer:
+                if cancelled_at is None and context.cancelled():
+                    cancel.touch()  # the process stops at its next check (next token)
+                    cancelled_at = time.monotonic()
+                if cancelled_at is not None and time.monotonic() - cancelled_at > settings.cancel_grace:
+                    _kill(proc)
+                    self.proc = None
+                    raise JobCancelled(f"{what}: did not stop within {settings.cancel_grace:.0f}s and was killed")
+                if time.monotonic() > deadline:
+                    _kill(proc)
+                    self.proc = None
+                    raise JobFailed(
+                        f"{what}: took longer than {settings.playground_timeout:.0f}s (COLLAGE_PLAYGROUND_TIMEOUT) and "
+                        "was stopped: ask for fewer or shorter completions"
+                    )
+                ready, _, _ = select.select([fd], [], [], POLL)
+                if ready:
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
+                        raise _Gone(_ended(proc), acknowledged)
+                    self.buffer += chunk
+            line, _, self.buffer = self.buffer.partition(b"\n")
+            message = json.loads(line)
+            event = message.get("event")
+            if event is None:
+                if cancelled_at is not None and not message.get("cancelled"):
+                    raise JobCancelled(f"{what}: cancelled")  # it finished first: the cancel still wins
+                return message
+            acknowledged = True
+            if cancelled_at is None:
+                low, high = span
+                try:
+                    context.progress(low + (high - low) * PHASES.get(event, 0.0), f"{what}: {event}")
+                except JobCancelled:  # seen by the progress report itself: stop the process's work the same way
+                    cancel.touch()
+                    cancelled_at = time.monotonic()
+
+
+def _ended(proc: subprocess.Popen) -> str:
+    try:
+        code = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        code = proc.returncode
+    if code is not None and code < 0:
+        how = f"killed by signal {signal.Signals(-code).name}"
+        if -code == signal.SIGKILL:
+            how += " (out of memory? the kernel kills the largest process when memory runs out)"
+    else:
+        how = f"exited with code {code}"
+    return f"the worker's playground process {how}"
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        log.error("playground process %d did not die after SIGKILL", proc.pid)
+
+
+def _reap(proc: subprocess.Popen, folder: str) -> None:
+    """Wait for the process to end (its idle timeout, a stop or a crash), so it never lingers as a zombie."""
+    code = proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+    log.info("playground process %d ended (code %s)", proc.pid, code)
+
+
+PROCESS = PlaygroundProcess()
+
+
+@signals.task_prerun.connect(weak=False)
+def _training_starts(sender: Any = None, **_kwargs: Any) -> None:
+    """A training is about to start on this worker: it gets the memory (the GPU) the playground's models hold."""
+    from .celery_app import TASK_NAME
+
+    if getattr(sender, "name", None) == TASK_NAME and PROCESS.pid is not None:
+        PROCESS.stop("a training starts on this worker")
+
+
+def _check_model(model: dict[str, Any], settings: Settings) -> None:
+    """The worker's own policy again, before anything is loaded: a base model is ``tiny:<family>`` or a folder
+    under this worker's COLLAGE_MODEL_ROOTS (the web node checked its own roots)."""
+    if model["kind"] == "base" and (problem := base_model_problem(model["path"], settings)) is not None:
+        raise JobFailed(f"{model['label']}: refused by this worker: {problem}")
+
+
+def _rewards(model: dict[str, Any], settings: Settings) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The model's rewards this worker may run (its COLLAGE_REWARD_MODULES, reward model folders under its roots),
+    and why each other one was left out."""
+    from .playground_child import reward_name
+
+    allowed, refused = [], {}
+    for spec in model.get("rewards") or []:
+        problem = reward_violation(spec["name"], settings)
+        if problem is None:
+            allowed.append(spec)
+        else:
+            refused[reward_name(spec["name"])] = f"not computed on this worker: {problem}"
+    return allowed, refused
+
+
+def run_generate(context: JobContext) -> dict[str, Any]:
+    """The job of kind ``generate``: each model of the request, in order, in the worker's playground process."""
+    request, settings = context.job.request, context.settings
+    models = request["models"]
+    for model in models:
+        _check_model(model, settings)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="collage-generate-") as tmp:
+        for i, model in enumerate(models):
+            what = f"model {i + 1}/{len(models)} ({model['label']})"
+            span = (i / len(models), (i + 1) / len(models))
+            context.progress(span[0], f"{what}: starting")  # raises JobCancelled after a cancel
+            rewards, refused = _rewards(model, settings)
+            child_request = {
+                "op": "generate",
+                "model": model,
+                "keep": models,
+                "prompt": request["prompt"],
+                "images": request["images"],
+                "artifacts": str(Path(settings.artifacts).absolute()),
+                "answer": request.get("answer"),
+                "columns": request.get("columns") or {},
+                "rewards": rewards,
+                "reward_errors": refused,
+                "reward_modules": list(settings.reward_modules),
+                "max_completion_length": model.get("max_completion_length"),
+                "num_generations": request["num_generations"],
+                "temperature": request["temperature"],
+                "top_p": request["top_p"],
+                "max_new_tokens": request["max_new_tokens"],
+                "seed": request.get("seed"),
+                "cancel": str(Path(tmp) / f"cancel-{i}"),
+            }
+            answer = PROCESS.call(child_request, context, what, span)
+            if not answer.get("ok"):
+                if answer.get("cancelled"):  # stopped by the process itself: say where (run_job keeps this end)
+                    message = f"cancelled while {answer.get('phase') or 'working'}: {what}"
+                    store.finish_job(context.engine, context.job.id, RunStatus.CANCELLED, message=message)
+                    raise JobCancelled(message)
+                raise JobFailed(f"{what}: {answer.get('error') or 'failed'}")
+            results.append({"model": model_summary(model), **answer["result"]})
+            context.check()
+    return {"results": results, "pid": PROCESS.pid}
