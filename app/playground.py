@@ -14,16 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
-from sqlalchemy import select
-from sqlmodel import Session, col
+from sqlmodel import Session
 
 from collage.training.config import ConfigError, RunConfig, parse_config
 from collage.training.data.rows import RowError, normalise_prompt
 from collage.training.images import RASTER_FORMATS, ImageRefused, decode_raster
 from collage.training.models.families import TINY_FAMILIES
 
-from .models import Checkpoint, Run
+from .models import Run
 from .settings import Settings
+from .store import checkpoints as checkpoint_store
+from .store.checkpoints import CheckpointEntry
 from .trust import TINY, confined, is_hub_id, is_local, outside_message
 
 # the formats an upload may have: the raster allowlist of training.images, narrowed to what browsers and cameras
@@ -175,43 +176,20 @@ def _run_config(run: Run) -> RunConfig:
         raise Refused(409, "models", f"run {run.id}'s stored config no longer loads: {exc}") from None
 
 
-def best_checkpoint(checkpoints: list[Checkpoint], greater: bool) -> Checkpoint | None:
-    """The checkpoint with the best recorded metric, None when none has one. TRL's rule (the trainer's too): a
-    checkpoint is the best only when it beats the best so far strictly, so of equal values the earliest wins."""
-    best: Checkpoint | None = None
-    for c in sorted(checkpoints, key=lambda c: c.step):
-        if c.metric is None or c.metric != c.metric:  # None or NaN: nothing to compare
-            continue
-        if best is None or (c.metric > best.metric if greater else c.metric < best.metric):  # type: ignore[operator]
-            best = c
-    return best
-
-
-def find_checkpoint(session: Session, run: Run, step: int | str, config: RunConfig, where: str) -> Checkpoint:
-    """The run's checkpoint at ``step`` (a number, ``best`` or ``last``): 404 for a step without one, 409 for
-    ``last`` or ``best`` of a run without checkpoints or without a best one (as ``GET /runs/{id}/checkpoints/{step}``
-    answers)."""
-    checkpoints = list(
-        session.scalars(select(Checkpoint).where(col(Checkpoint.run_id) == run.id).order_by(col(Checkpoint.step)))
-    )
-    steps = ", ".join(str(c.step) for c in checkpoints[-20:]) or "none yet"
-    if isinstance(step, int):
-        found = next((c for c in checkpoints if c.step == step), None)
-        if found is None:
-            raise Refused(404, where, f"run {run.id} has no checkpoint at step {step}; its checkpoints: {steps}")
-        return found
-    if not checkpoints:
-        raise Refused(
-            409, where, f"run {run.id} has no checkpoint yet (it saves one every train.save_steps and at its end)"
-        )
-    if step == "last":
-        return checkpoints[-1]
-    metric = config.train.metric_for_best_model
-    best = best_checkpoint(checkpoints, config.train.best_is_greater) if metric else None
-    if best is None:
-        why = "train.metric_for_best_model is not set" if not metric else f"no checkpoint has a value of {metric} yet"
-        raise Refused(409, where, f"run {run.id} has no best checkpoint: {why}; ask for last or a step ({steps})")
-    return best
+def find_checkpoint(
+    session: Session, run: Run, step: checkpoint_store.StepChoice, settings: Settings, where: str
+) -> CheckpointEntry:
+    """The run's checkpoint at ``step`` (a number, ``best`` or ``last``), as ``GET /runs/{id}/checkpoints/{step}``
+    picks it (404 for a step without one, 409 for ``last`` or ``best`` with nothing to pick), whose folder lies in
+    the run's own folder under the artifacts (409 otherwise: a store row is data too)."""
+    entries = checkpoint_store.run_checkpoints(session, run)
+    try:
+        entry = checkpoint_store.pick(entries, step, checkpoint_store.BestRule.of_config(run.config), f"run {run.id}")
+    except checkpoint_store.CheckpointProblem as exc:
+        raise Refused(exc.status, where, str(exc)) from None
+    if checkpoint_store.checkpoint_folder(entry.path, settings.artifacts, run.id) is None:
+        raise Refused(409, where, f"run {run.id}'s checkpoint at step {entry.step} is not in the run's own folder")
+    return entry
 
 
 def base_model_problem(path: str, settings: Settings) -> str | None:
@@ -236,12 +214,21 @@ def resolve_model(session: Session, ref: dict[str, Any], index: int, settings: S
         if (problem := base_model_problem(path, settings)) is not None:
             raise Refused(422, f"{where}.path", problem)
         return ResolvedModel(label=path, kind="base", path=path, rewards=[dict(r) for r in BASE_REWARDS])
-    run_id, step = ref["run"], ref.get("step") or "last"
+    run_id = ref["run"]
+    asked = ref.get("step") or checkpoint_store.LAST
+    if isinstance(asked, int):
+        step: checkpoint_store.StepChoice = asked
+    elif asked == "best":
+        step = "best"
+    elif asked == "last":
+        step = "last"
+    else:
+        raise Refused(422, f"{where}.step", "a step number, best or last")
     run = session.get(Run, run_id) if len(run_id) <= 32 else None
     if run is None:
         raise Refused(404, f"{where}.run", f"no run with id {run_id!r}")
     config = _run_config(run)
-    checkpoint = find_checkpoint(session, run, step, config, f"{where}.step")
+    checkpoint = find_checkpoint(session, run, step, settings, f"{where}.step")
     kind = checkpoint.kind or "checkpoint"
     asked = f"{step} = step {checkpoint.step}" if isinstance(step, str) else f"step {checkpoint.step}"
     return ResolvedModel(

@@ -247,7 +247,8 @@ def test_a_missing_or_misnamed_file_field_is_named(play):
 def _run_with_checkpoints(app, client, steps=(2, 4), metrics=(None, None), **changes) -> str:
     run = client.post(API + "/runs", json=config(**changes)).json()["id"]
     for step, metric in zip(steps, metrics, strict=True):
-        app.state.writer.add_checkpoint(run, step, f"/ckpt/{run}/step-{step}", kind="full", size=10, metric=metric)
+        folder = app.state.settings.artifacts / "runs" / run / "attempt-1" / "checkpoints" / f"step-{step}"
+        app.state.writer.add_checkpoint(run, step, str(folder), kind="full", size=10, metric=metric)
     return run
 
 
@@ -266,11 +267,11 @@ def test_generate_validates_models_steps_paths_and_images(play, tmp_path):
     # unknown step: 404 naming the steps there are; unknown run: 404
     response = client.post(API + "/generate", json=_request(models=[{"run": run, "step": 3}]))
     assert response.status_code == 404 and "no checkpoint at step 3" in response.json()["detail"]
-    assert "its checkpoints: 2, 4" in response.json()["detail"]
+    assert "its checkpoints are at steps 2, 4" in response.json()["detail"]
     assert client.post(API + "/generate", json=_request(models=[{"run": "nope"}])).status_code == 404
     # best without a metric for it: 409 saying why
     best = client.post(API + "/generate", json=_request(models=[{"run": run, "step": "best"}]))
-    assert best.status_code == 409 and "metric_for_best_model is not set" in best.json()["detail"]
+    assert best.status_code == 409 and "has no train.metric_for_best_model" in best.json()["detail"]
     # a run without checkpoints: 409 (its last one); a step of it: 404
     response = client.post(API + "/generate", json=_request(models=[{"run": bare}]))
     assert response.status_code == 409 and "no checkpoint yet" in response.json()["detail"]
@@ -341,7 +342,8 @@ def test_a_generation_is_queued_on_its_runs_queue_and_seen_only_by_its_owner(pla
         job = session.get(Job, job_id)
     assert job.kind == "generate" and job.queue == "gpu-a" and job.run_id == run
     first, second = job.request["models"]
-    assert first["step"] == 2 and first["path"] == f"/ckpt/{run}/step-2/model" and first["kind"] == "full"
+    folder = app.state.settings.artifacts / "runs" / run / "attempt-1" / "checkpoints" / "step-2"
+    assert first["step"] == 2 and first["path"] == f"{folder}/model" and first["kind"] == "full"
     assert [r["name"] for r in first["rewards"]] == ["accuracy", "numeric"] and first["base"] == "tiny:qwen2-vl"
     assert second["kind"] == "base" and [r["name"] for r in second["rewards"]] == ["accuracy", "format"]
     assert job.request["prompt"][0]["content"][1] == {"type": "image"} and job.request["images"] == [sha]
@@ -411,13 +413,12 @@ def test_neither_the_web_side_nor_the_workers_celery_process_loads_the_training_
     assert done.stdout.strip() == "[]"
 
 
-def test_the_best_checkpoint_follows_the_trainers_rule():
-    from collage.app.models import Checkpoint
-    from collage.app.playground import best_checkpoint
-
-    made = [
-        Checkpoint(run_id="r", step=s, path=f"/c/{s}", metric=m) for s, m in [(6, None), (2, 0.5), (4, 0.5), (8, 0.1)]
-    ]
-    assert best_checkpoint(made, greater=True).step == 2  # equal values: the earliest (a later one must beat it)
-    assert best_checkpoint(made, greater=False).step == 8  # a loss: the smallest
-    assert best_checkpoint([Checkpoint(run_id="r", step=1, path="/c/1", metric=float("nan"))], greater=True) is None
+def test_a_checkpoint_row_outside_its_runs_folder_is_never_loaded(play):
+    """The store's checkpoint path is data too: one pointing outside the run's own folder (another run's, /etc) is
+    refused before any worker sees it, as the checkpoint download refuses it."""
+    client, app, dispatcher = play
+    run = client.post(API + "/runs", json=config()).json()["id"]
+    app.state.writer.add_checkpoint(run, 2, "/etc", kind="full", size=10)
+    response = client.post(API + "/generate", json=_request(models=[{"run": run, "step": 2}]))
+    assert response.status_code == 409 and "not in the run's own folder" in response.json()["detail"]
+    assert dispatcher.jobs == []
