@@ -56,12 +56,12 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise _TooLarge
+                    raise BodyTooLarge(limit)
             return message
 
         try:
             await self.app(scope, limited_receive, send)
-        except _TooLarge:
+        except BodyTooLarge:
             await self._reject(send, 413, f"request body is larger than {limit} bytes")
 
     @staticmethod
@@ -69,8 +69,13 @@ class BodySizeLimit:
         await _send_json(send, status, {"detail": detail})
 
 
-class _TooLarge(Exception):
-    pass
+class BodyTooLarge(Exception):
+    """Raised while a body streams in past its limit. FastAPI reads a JSON body inside its own error handling and
+    turns this into a 400 "error parsing the body"; app.main maps that 400 back to this 413."""
+
+    def __init__(self, limit: int = 0):
+        super().__init__(f"request body is larger than {limit} bytes")
+        self.limit = limit
 
 
 class RefuseNul:

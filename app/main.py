@@ -14,7 +14,7 @@ from collage.training.config import error_message, error_path, format_errors
 
 from .db import check_migrated, engine_for
 from .dispatch import Dispatcher
-from .limits import BodySizeLimit, RefuseNul
+from .limits import BodySizeLimit, BodyTooLarge, RefuseNul
 from .settings import Settings, get_settings
 from .store.writer import StoreWriter
 from .unavailable import StoreUnavailable
@@ -104,6 +104,9 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
             # JSON nested thousands deep stops the parser itself: still a field-level 422, never a 500
             return validation_response([("body", "nested too deeply to parse (at most 32 levels are allowed)")])
+        if exc.status_code == 400 and isinstance(exc.__cause__, BodyTooLarge):
+            # a body without Content-Length that grew past its limit while FastAPI parsed it as JSON
+            return JSONResponse(status_code=413, content={"detail": str(exc.__cause__)})
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=exc.headers)
 
     from .routers import catalog, datasets, health, images, runs, samples, stats, tokens, workers
