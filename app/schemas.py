@@ -425,7 +425,7 @@ class GenerateRequest(_Request):
         None, max_length=32, description="other dataset columns for the rewards (a rollout row's `columns`)"
     )
     num_generations: int = Field(2, ge=1, le=GENERATIONS_MAX, description="completions per model")
-    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0: greedy decoding (the most likely token)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(64, ge=1, le=TOKENS_MAX, description="at most COLLAGE_PLAYGROUND_MAX_NEW_TOKENS")
     seed: int | None = Field(

@@ -322,3 +322,15 @@ def test_the_playground_process_ends_with_its_worker_even_while_busy():
     worker.wait()
     wait_for(lambda: not _running(pid), 60, "the playground process to end with its worker")
     worker.stdin.close()
+
+
+def test_temperature_zero_is_greedy_decoding(play):
+    """Temperature 0 asks for the most likely token each step: every completion of a request is the same, whatever
+    the seed (nothing is drawn)."""
+    client, app, settings = play
+    image = upload(client, picture())
+    models = [{"path": "tiny:qwen2-vl"}]
+    first = run(app, settings, queue(client, models=models, images=[image], temperature=0.0, seed=1))
+    other = run(app, settings, queue(client, models=models, images=[image], temperature=0.0, seed=2))
+    assert first["status"] == other["status"] == "succeeded", (first, other)
+    assert len(set(texts(first["result"]))) == 1 and texts(first["result"]) == texts(other["result"])

@@ -205,7 +205,7 @@ class Playground:
 
         from collage.training.batching.inputs import base_model, collate, completion_logprobs_and_entropy
         from collage.training.data.rows import RowError
-        from collage.training.generation import Sampling, generate
+        from collage.training.generation import generate
 
         tic = time.perf_counter()
         stop = Stopper(Path(req["cancel"]) if req.get("cancel") else None)
@@ -233,7 +233,7 @@ class Playground:
         try:
             completions = generate(
                 model, prompt, n, family, tokenizer, encoder.image_token_id, encoder.protected,
-                int(req["max_new_tokens"]), Sampling(float(req["temperature"]), float(req["top_p"])),
+                int(req["max_new_tokens"]), _sampling(req),
             )  # fmt: skip
             full = self._to_device(
                 collate([encoded] * n, family, tokenizer.pad_token_id, completions.ids, encoder.protected), loaded
@@ -391,6 +391,16 @@ def watch_parent(parent: int, every: float = 1.0) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="collage-playground-parent", daemon=True).start()
+
+
+def _sampling(req: dict[str, Any]) -> Any:
+    """Temperature 0 asks for greedy decoding (the most likely token each step), as other playgrounds take it."""
+    from collage.training.generation import Sampling
+
+    temperature = float(req["temperature"])
+    if temperature == 0.0:
+        return Sampling(greedy=True)
+    return Sampling(temperature, float(req["top_p"]))
 
 
 def main() -> int:
