@@ -100,9 +100,70 @@ class ModelSettings(_Strict):
     lora: LoraSettings | None = None
 
 
+COLUMN_NAME = Annotated[str, Field(min_length=1, max_length=200)]
+TEMPLATE_MAX = 20_000  # characters of a prompt template
+IMAGES_MARKER = "images"  # {images} in a prompt template: where the row's images go
+
+
+class ColumnMap(_Strict):
+    """Which source columns hold the prompt, the images, the answer and the system turn (``dataset.columns``), for
+    datasets whose columns are named otherwise (``question``, ``image_1`` ... ``image_4``, ``solution``). A key left
+    out keeps its default column (``prompt``, ``images``/``image``, ``answer``, none)."""
+
+    prompt: COLUMN_NAME | None = None
+    # one column (a list of images, or one image), or several gathered into one list in order, empty ones skipped
+    images: COLUMN_NAME | list[COLUMN_NAME] | None = None
+    answer: COLUMN_NAME | None = None  # reaches the rewards unchanged: a number, a string or a list of answers
+    system: COLUMN_NAME | None = None
+
+    @field_validator("images")
+    @classmethod
+    def _images_list(cls, value: Any) -> Any:
+        if isinstance(value, list) and not 1 <= len(value) <= IMAGES_MAX:
+            raise ValueError(f"a list of 1 to {IMAGES_MAX} image columns")
+        return value
+
+    @property
+    def image_columns(self) -> list[str] | None:
+        if self.images is None:
+            return None
+        return [self.images] if isinstance(self.images, str) else list(self.images)
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a prompt template uses, in order (``{images}`` included); raises ValueError for anything but
+    plain ``{name}`` fields: no attribute or index access (``{x.__class__}`` reads Python internals), no
+    conversion and no format spec."""
+    import string
+
+    fields = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier():
+            raise ValueError(
+                f"{{{name}}}: a field is a column name like {{question}} (no attributes, indexes or numbers)"
+            )
+        if spec or conversion:
+            raise ValueError(f"{{{name}}}: no format spec or conversion (write {{{name}}} alone)")
+        fields.append(name)
+    return fields
+
+
 class DatasetSettings(_Strict):
     source: str = Field("synth:count-red", min_length=1, max_length=500)
     split: str = Field("train", min_length=1, max_length=100)
+    # the dataset's configuration (a Hub dataset's `configs:`, datasets' `name`), for sources that have several
+    config_name: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[\w.-]+$")
+    # bring your own data (docs/data.md): source columns for the prompt, images, answer and system turn; a prompt
+    # built from the row's columns ({images} marks where the images go, else they come first); a system turn
+    columns: ColumnMap | None = None
+    prompt_template: str | None = Field(None, min_length=1, max_length=TEMPLATE_MAX)
+    system_prompt: str | None = Field(None, min_length=1, max_length=TEMPLATE_MAX)
     rows: int = Field(256, gt=0, le=ROWS_MAX)
     min_images: int = Field(0, ge=0, le=IMAGES_MAX)
     max_images: int = Field(3, ge=0, le=IMAGES_MAX)
@@ -118,6 +179,26 @@ class DatasetSettings(_Strict):
     def _images_range(self) -> DatasetSettings:
         if self.max_images < self.min_images:
             raise ValueError(f"max_images ({self.max_images}) must be >= min_images ({self.min_images})")
+        return self
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template(cls, value: str | None) -> str | None:
+        if value is not None:
+            fields = template_fields(value)
+            if fields.count(IMAGES_MARKER) > 1:
+                raise ValueError("{images} may appear once (it places all of the row's images)")
+        return value
+
+    @model_validator(mode="after")
+    def _prompt_once(self) -> DatasetSettings:
+        if self.prompt_template is not None and self.columns is not None and self.columns.prompt is not None:
+            raise ValueError(
+                "prompt_template: builds the prompt from the row's columns; it cannot be combined with columns.prompt "
+                "(use {<column>} in the template instead)"
+            )
+        if self.system_prompt is not None and self.columns is not None and self.columns.system is not None:
+            raise ValueError("system_prompt: a fixed system turn; it cannot be combined with columns.system")
         return self
 
     @model_validator(mode="after")
