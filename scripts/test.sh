@@ -27,10 +27,10 @@ for f in "${side[@]}"; do ignore+=("--ignore=$f"); done
 logs=$(mktemp -d)
 bash scripts/wheel_smoke.sh >"$logs/wheel.log" 2>&1 &
 wheel=$!
-.venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$logs/browser.log" 2>&1 &
+.venv/bin/python -m pytest -p no:cacheprovider --durations=25 "${side[@]}" >"$logs/browser.log" 2>&1 &
 browser=$!
 status=0
-.venv/bin/python -m pytest -p no:cacheprovider "${ignore[@]}" || status=1
+.venv/bin/python -m pytest -p no:cacheprovider --durations=40 "${ignore[@]}" || status=1
 wait "$browser" || status=1
 echo "---- worker, browser and tracker tests"
 cat "$logs/browser.log"

@@ -294,7 +294,7 @@ def test_generate_validates_models_steps_paths_and_images(play, tmp_path):
     assert field == "images"
     # bounds on every number, and the shape of the request
     for change, where in [({"num_generations": 0}, "num_generations"), ({"num_generations": 17}, "num_generations"),
-                          ({"temperature": 0}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
+                          ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
                           ({"max_new_tokens": 5000}, "max_new_tokens"), ({"models": []}, "models"),
                           ({"models": [{"path": "tiny:qwen2-vl"}] * 3}, "models"), ({"seed": -1}, "seed"),
                           ({"models": [{"run": run, "path": "tiny:qwen2-vl"}]}, "models[0]"), ({"extra": 1}, "extra"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -97,7 +98,11 @@ def add_run(app, checkpoint: Path | None, kind: str = "full", lora: bool = False
                "model": {"path": "tiny:qwen2-vl", "dtype": "float32", **({"lora": {"r": 4, "alpha": 8}} if lora else {})}}  # fmt: skip
     run = app.state.writer.create_run(parse_config(config(**changes)).model_dump(mode="json"))
     if checkpoint is not None:
-        app.state.writer.add_checkpoint(run.id, 2, str(checkpoint), kind=kind, size=1)
+        # the playground reads a checkpoint only from the run's own folder, where a worker writes it
+        folder = app.state.settings.artifacts / "runs" / run.id / "checkpoints" / "step-2"
+        if checkpoint.exists():
+            shutil.copytree(checkpoint, folder)
+        app.state.writer.add_checkpoint(run.id, 2, str(folder), kind=kind, size=1)
     return run.id
 
 
@@ -241,7 +246,6 @@ def test_missing_checkpoints_bad_images_and_wrong_folders_fail_clearly(play, che
     # a LoRA adapter folder or an empty folder named as a base model under the roots
     models = settings.model_roots[0]
     (models / "empty").mkdir(parents=True)
-    import shutil
 
     shutil.copytree(checkpoints[0] / "model", models / "adapter")
     for folder, why in [("adapter", "a LoRA adapter folder, not a model"), ("empty", "no model folder there")]:

@@ -556,7 +556,13 @@ def test_collage_serve_killed_with_sigkill_leaves_no_worker_process(tmp_path):
         workers = _children_of(serve.pid)
         assert len(workers) == 2
         cfg = run_config(max_steps=30, delay=0.3)
-        run_id = httpx.post(f"http://127.0.0.1:{port}{API}/runs", json=cfg, headers=headers).json()["id"]
+        for _ in range(10):  # a busy store answers 503 + Retry-After (two workers start on a loaded machine)
+            submitted = httpx.post(f"http://127.0.0.1:{port}{API}/runs", json=cfg, headers=headers)
+            if submitted.status_code != 503:
+                break
+            time.sleep(float(submitted.headers.get("Retry-After", "1")))
+        assert submitted.status_code == 201, submitted.text
+        run_id = submitted.json()["id"]
         while httpx.get(f"http://127.0.0.1:{port}{API}/runs/{run_id}", headers=headers).json()["progress"]["step"] < 1:
             time.sleep(0.5)
         training = [p for w in workers for p in _children_of(w)]
