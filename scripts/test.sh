@@ -2,9 +2,9 @@
 # The whole test suite, from a fresh machine: set up, lint, type-check, pytest, then the wheel smoke test
 # (the built wheel in fresh virtual environments). Extra arguments go to pytest (and run it alone, in order).
 #
-# Without arguments three jobs run side by side, since most of their time is waiting on servers, workers and
+# Without arguments four jobs run side by side, since most of their time is waiting on servers, workers and
 # installs: the worker, browser and tracker tests (their own Redis server, `collage serve` on SQLite, or worker
-# processes), every other test, and the wheel smoke test. Each pytest session has its own COLLAGE_HOME and its own
+# processes), the serve, playground, export and shutdown tests, every other test, and the wheel smoke test. Each pytest session has its own COLLAGE_HOME and its own
 # PostgreSQL database (tests/conftest.py), so they share nothing but the machine. The logs of the side jobs are printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,21 +20,33 @@ if [ "$#" -gt 0 ]; then
   exit 0
 fi
 
+started=$SECONDS
+# worker processes, Redis, `collage serve` and Chromium: most of their time is waiting, so they run beside the rest
 side=(tests/test_workers.py tests/test_dashboard.py tests/test_dash_charts.py tests/test_dash_look.py
       tests/test_dash_ops.py tests/test_dash_rollouts.py tests/test_trackers.py)
+processes=(tests/test_dash_playground.py tests/test_dash_friction.py tests/test_dash_checkpoints.py
+           tests/test_dash_eval.py tests/test_eval_e2e.py tests/test_shutdown.py tests/test_export_worker.py
+           tests/test_playground_worker.py tests/test_cli_runs.py tests/test_faults.py tests/test_lifecycle.py)
 ignore=()
-for f in "${side[@]}"; do ignore+=("--ignore=$f"); done
+for f in "${side[@]}" "${processes[@]}"; do ignore+=("--ignore=$f"); done
 logs=$(mktemp -d)
 bash scripts/wheel_smoke.sh >"$logs/wheel.log" 2>&1 &
 wheel=$!
 .venv/bin/python -m pytest -p no:cacheprovider --durations=25 "${side[@]}" >"$logs/browser.log" 2>&1 &
 browser=$!
+.venv/bin/python -m pytest -p no:cacheprovider --durations=25 "${processes[@]}" >"$logs/processes.log" 2>&1 &
+processes_job=$!
 status=0
 .venv/bin/python -m pytest -p no:cacheprovider --durations=40 "${ignore[@]}" || status=1
+echo "---- in-process tests done after $((SECONDS - started)) s"
 wait "$browser" || status=1
 echo "---- worker, browser and tracker tests"
 cat "$logs/browser.log"
+wait "$processes_job" || status=1
+echo "---- serve, playground, export and shutdown tests"
+cat "$logs/processes.log"
 wait "$wheel" || status=1
 echo "---- wheel smoke test"
 cat "$logs/wheel.log"
+echo "---- all tests done after $((SECONDS - started)) s"
 exit "$status"

@@ -387,6 +387,10 @@ def test_examples_are_valid_configs():
         config = parse_config(yaml.safe_load(path.read_text()))
         assert config.model.path.startswith("tiny:"), path  # runnable offline
         assert path.name.startswith(config.algorithm + "-"), (path, config.algorithm)
+    # the demo measures task accuracy on held-out rows, from an evaluation before any update (docs/demo.md)
+    demo = parse_config(yaml.safe_load((ROOT / "examples" / "grpo-count-red.yaml").read_text()))
+    assert demo.train.eval_on_start and demo.train.eval_strategy == "steps" and demo.dataset.eval_split == "eval"
+    assert "accuracy" in [reward.name for reward in demo.rewards] and demo.dataset.min_images >= 1
 
 
 # -------------------------------------------------------------------------------------------- DDP

@@ -88,7 +88,9 @@ def format(completions: list[Any], **_: Any) -> list[float]:
 
 def numeric(completions: list[Any], **_: Any) -> list[float]:
     """Shaping for tasks whose answer is a number: 1.0 for a bare integer (optionally inside
-    ``<answer></answer>``), else the share of the completion's non-space characters that are digits."""
+    ``<answer></answer>``; whitespace around it allowed), else half the share of the completion's non-space
+    characters that are digits: ``"12 12 12"`` earns 0.5, never the 1.0 of ``"12"``, so a policy is not paid to
+    repeat numbers instead of answering one."""
     out = []
     for completion in completions:
         text = (
@@ -96,11 +98,29 @@ def numeric(completions: list[Any], **_: Any) -> list[float]:
             if ANSWER_RE.search(completion_text(completion))
             else completion_text(completion)
         )
-        chars = [c for c in text if not c.isspace()]
-        if chars and re.fullmatch(r"-?\d+", "".join(chars)):
+        if re.fullmatch(r"-?\d+", text.strip()):
             out.append(1.0)
-        else:
-            out.append(sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0)
+            continue
+        chars = [c for c in text if not c.isspace()]
+        out.append(0.5 * sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0)
+    return out
+
+
+def closeness(completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float | None]:
+    """Partial credit for numeric answers: ``1 / (1 + |n - answer|)`` for the first integer ``n`` of the
+    completion's answer (inside ``<answer></answer>``, else its first word), 0.0 when it has none; ``None`` for
+    rows whose ``answer`` is not an integer (or without the column). A count that is off by one earns 0.5, so
+    a policy is told which wrong answers are nearly right (dense where ``accuracy`` is all or nothing)."""
+    if answer is None:
+        return [None] * len(completions)
+    out: list[float | None] = []
+    for completion, expected in zip(completions, answer, strict=True):
+        target = NUMBER_RE.fullmatch(_normalise(expected)) if expected is not None else None
+        if target is None:
+            out.append(None)
+            continue
+        number = NUMBER_RE.fullmatch(extract_answer(completion_text(completion)).strip().strip("."))
+        out.append(1.0 / (1.0 + abs(int(number.group()) - int(target.group()))) if number else 0.0)
     return out
 
 
@@ -144,6 +164,7 @@ BUILTINS: dict[str, Callable[..., Any]] = {
     "accuracy": accuracy,
     "format": format,
     "numeric": numeric,
+    "closeness": closeness,
     "length": length,
     "red_count": red_count,
 }
