@@ -44,29 +44,99 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.max_prompt_length is not None and args.model is None:
         print("collage: error: --max-prompt-length needs --model to count the prompt's tokens", file=sys.stderr)
         return 2
+    if args.sample is not None and args.sample < 1:
+        print("collage: error: --sample must be at least 1", file=sys.stderr)
+        return 2
+    mapping = _mapping_of(args)
+    if mapping is None:
+        return 2
     synth = {}
     if args.source.startswith("synth:"):
         synth = dict(rows=args.rows, min_images=args.min_images, max_images=args.max_images, seed=args.seed)
+    from collage.training.data.loader import DatasetError
+
+    from .progress import CountProgress
     from .settings import get_settings
 
     roots = get_settings().data_roots or None  # with COLLAGE_DATA_ROOTS set, images are confined as a worker does
-    report = check_dataset(
-        args.source,
-        split=args.split,
-        model=args.model,
-        max_prompt_length=args.max_prompt_length,
-        data_roots=roots,
-        **synth,
-    )
+    bar = CountProgress("checking rows") if not args.json else None
+    try:
+        report = check_dataset(
+            args.source,
+            split=args.split,
+            model=args.model,
+            max_prompt_length=args.max_prompt_length,
+            data_roots=roots,
+            mapping=mapping,
+            config_name=args.config_name,
+            limit=args.sample,
+            progress=bar.update if bar is not None else None,
+            **synth,
+        )
+    except DatasetError as exc:
+        print(f"collage: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.close()
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         for err in report.errors:
             print(str(err))
-        print(report.summary())
+        for kind, count in sorted(report.conversions.items()):
+            print(f"{count} image(s): {kind} (as the model's processor does)")
+        for large in report.large_images:
+            tokens = f", {large['image_tokens']} image tokens in its row for {args.model}" if args.model else ""
+            print(f"row {large['row']}: image {large['image']} is {large['width']}x{large['height']}{tokens}")
+        print(report.summary() + (f" (a sample: the first {args.sample} rows)" if args.sample else ""))
     if report.rows == 0:
         print(f"{args.source}: the split {args.split!r} has no rows", file=sys.stderr)
+    if args.fix is not None:
+        return _write_fix(args, mapping, roots, synth)
     return 0 if report.ok else 1
+
+
+def _mapping_of(args: argparse.Namespace):
+    """The RowMapping of --columns, --prompt-template and --system-prompt, validated like dataset.* in a config
+    (None after printing the errors)."""
+    from pydantic import ValidationError
+
+    from collage.training.config import DatasetSettings
+    from collage.training.data.mapping import RowMapping, parse_columns
+
+    try:
+        columns = parse_columns(args.columns) if args.columns else None
+        settings = DatasetSettings(source=args.source, columns=columns, prompt_template=args.prompt_template,
+                                   system_prompt=args.system_prompt)  # fmt: skip
+    except ValueError as exc:
+        errors = exc.errors() if isinstance(exc, ValidationError) else [{"loc": ("columns",), "msg": str(exc)}]
+        for error in errors:
+            where = ".".join(str(p) for p in error["loc"])
+            flag = {"columns": "--columns", "prompt_template": "--prompt-template", "system_prompt": "--system-prompt"}
+            print(f"collage: error: {flag.get(where.split('.')[0], where)} ({where}): {error['msg']}", file=sys.stderr)
+        return None
+    return RowMapping.of(settings)
+
+
+def _write_fix(args: argparse.Namespace, mapping, roots, synth) -> int:
+    from pathlib import Path
+
+    from collage.training.data.fix import FixError, write_fixed
+    from collage.training.data.loader import load_dataset
+
+    dataset = load_dataset(args.source, args.split, data_roots=roots, mapping=mapping, config_name=args.config_name,
+                           limit=args.sample, **synth)  # fmt: skip
+    try:
+        result = write_fixed(dataset, Path(args.fix))
+    except FixError as exc:
+        print(f"collage: error: {exc}", file=sys.stderr)
+        return 2
+    for column, why in result.unwritable_columns.items():
+        print(f"column {column!r} left out of the fixed copy: it {why}")
+    print(f"wrote {result.written} rows to {result.file}; {len(result.bad)} bad rows left out, listed in "
+          f"{result.file.parent / 'bad_rows.jsonl'}")  # fmt: skip
+    return 0
 
 
 def _cmd_preview(args: argparse.Namespace) -> int:
@@ -323,6 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--model", help="model (tiny:<family>, folder or hub id) to count image tokens with")
     check.add_argument("--max-prompt-length", type=int)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument("--columns", help="dataset.columns: prompt=question,images=image_1+image_2,answer=solution")
+    check.add_argument("--prompt-template", help="dataset.prompt_template: '{images}Question: {question}'")
+    check.add_argument("--system-prompt", help="dataset.system_prompt")
+    check.add_argument("--config-name", help="dataset.config_name: a Hub dataset's configuration")
+    check.add_argument("--sample", type=int, help="check only the first N rows")
+    check.add_argument("--fix", metavar="OUT", help="write a corrected copy (RGB images, mapped columns, bad rows "
+                       "left out and listed) to the new folder OUT")  # fmt: skip
     for flag, default in (("--rows", 256), ("--min-images", 0), ("--max-images", 3), ("--seed", 0)):
         check.add_argument(flag, type=int, default=default, help="synth:<task> sources only")
     check.set_defaults(func=_cmd_check)

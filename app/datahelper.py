@@ -100,6 +100,18 @@ def _roots(req: dict[str, Any]) -> tuple[Path, ...]:
     return tuple(Path(root) for root in req.get("data_roots") or ())
 
 
+def _mapping(req: dict[str, Any]) -> Any:
+    """The request's column mapping (``columns``, ``prompt_template``, ``system_prompt``: validated by the web
+    process already, validated again here) as a RowMapping; None without one."""
+    from collage.training.config import DatasetSettings
+    from collage.training.data.mapping import RowMapping
+
+    fields = req.get("mapping") or {}
+    if not any(fields.values()):
+        return None
+    return RowMapping.of(DatasetSettings(source=req["source"], **fields))
+
+
 def check(req: dict[str, Any]) -> dict[str, Any]:
     from collage.training.data.check import cached_check
     from collage.training.data.loader import load_dataset
@@ -109,7 +121,8 @@ def check(req: dict[str, Any]) -> dict[str, Any]:
     if max_prompt_length is not None and model is None:
         raise ValueError("--max-prompt-length needs --model to count the prompt's tokens")
     synth = (req.get("synth") or {}) if source.startswith("synth:") else {}
-    dataset = load_dataset(source, split, data_roots=_roots(req), **synth)
+    dataset = load_dataset(source, split, data_roots=_roots(req), mapping=_mapping(req),
+                           config_name=req.get("config_name"), **synth)  # fmt: skip
 
     def encoder() -> Any:
         if model is None:
@@ -180,17 +193,62 @@ def preview(req: dict[str, Any]) -> dict[str, Any]:
     synth = (req.get("synth") or {}) if source.startswith("synth:") else {}
     limit = int(req.get("rows", 5))
     # only the rows shown are read (a synth:<task> preview generates only them, in memory)
-    dataset = load_dataset(source, split, data_roots=_roots(req), limit=limit, **synth)
+    dataset = load_dataset(source, split, data_roots=_roots(req), limit=limit, mapping=_mapping(req),
+                           config_name=req.get("config_name"), **synth)  # fmt: skip
     budget = ReadBudget(
         int(req.get("max_images") or PREVIEW_MAX_IMAGES), int(req.get("max_bytes") or PREVIEW_MAX_BYTES)
     )
     notes: list[str] = []
     rows = preview_rows(dataset, limit, artifacts, budget, notes)
     total = dataset.total if dataset.total is not None else len(dataset)
-    return {"source": source, "rows": rows, "total_rows": total, "note": "; ".join(notes) or None}
+    names = _column_names(dataset.rows)
+    return {"source": source, "rows": rows, "total_rows": total, "note": "; ".join(notes) or None,
+            "column_names": names, "guess": guess_columns(names)}  # fmt: skip
 
 
-OPS = {"warm": lambda req: warm(bool(req.get("wait"))), "check": check, "preview": preview}
+def _column_names(rows: list[Any]) -> list[str]:
+    return list(dict.fromkeys(str(k) for raw in rows for k in raw.data))
+
+
+def guess_columns(names: list[str]) -> dict[str, Any]:
+    from collage.training.data.mapping import guess_columns as guess
+
+    return guess(names)
+
+
+def probe(req: dict[str, Any]) -> dict[str, Any]:
+    """What a run submitted with this dataset would meet first: its column names, and whether any of its first
+    ``rows`` rows is usable (decoded and mapped, nothing written). The API refuses a run before it is created when
+    a mapped column is missing or no row it read is usable."""
+    from collage.training.data.loader import load_dataset
+    from collage.training.data.rows import RowError
+    from collage.training.images import BudgetExhausted, ReadBudget
+
+    source, split = req["source"], req.get("split", "train")
+    limit = int(req.get("rows", 50))
+    dataset = load_dataset(source, split, data_roots=_roots(req), limit=limit, mapping=_mapping(req),
+                           config_name=req.get("config_name"))  # fmt: skip
+    budget = ReadBudget(
+        int(req.get("max_images") or PREVIEW_MAX_IMAGES), int(req.get("max_bytes") or PREVIEW_MAX_BYTES)
+    )
+    errors: list[list[Any]] = []
+    usable = read = 0
+    for raw in dataset.rows:
+        try:
+            raw.to_sample(budget)
+        except BudgetExhausted:
+            break
+        except RowError as err:
+            errors.append([err.row, err.message])
+        else:
+            usable += 1
+        read += 1
+    total = dataset.total if dataset.total is not None else len(dataset)
+    return {"column_names": _column_names(dataset.rows), "read": read, "usable": usable, "total_rows": total,
+            "errors": errors[:5]}  # fmt: skip
+
+
+OPS = {"warm": lambda req: warm(bool(req.get("wait"))), "check": check, "preview": preview, "probe": probe}
 
 
 def _one_line(exc: BaseException) -> str:

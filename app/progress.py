@@ -83,3 +83,35 @@ def quiet_library_progress_bars() -> None:
                              ("datasets.utils.tqdm", "disable_progress_bars")):  # fmt: skip
         if module.split(".")[0] in sys.modules:
             getattr(importlib.import_module(module), function)()
+
+
+class CountProgress:
+    """Progress of a long count (``collage data check``'s rows) on stderr: a bar on a terminal, else a line at
+    every tenth of the way, so a log shows it is moving. ``update(done, total)``; ``close()`` at the end."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.tty = sys.stderr.isatty()
+        self.progress = None
+        self.task = None
+        self.shown_tenth = 0
+
+    def update(self, done: int, total: int) -> None:
+        if self.tty:
+            if self.progress is None:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+                self.progress = Progress(TextColumn(self.what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                         console=None, transient=True)  # fmt: skip
+                self.progress.start()
+                self.task = self.progress.add_task(self.what, total=total)
+            self.progress.update(self.task, completed=done)
+            return
+        tenth = done * 10 // max(total, 1)
+        if total >= 1000 and tenth > self.shown_tenth:
+            self.shown_tenth = tenth
+            print(f"{self.what} {done}/{total}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()

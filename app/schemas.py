@@ -7,7 +7,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from collage.training.config import IMAGES_MAX, JSON_MAX_DEPTH, SEED_MAX, TOKENS_MAX, json_problem, no_nul
+from collage.training.config import (
+    IMAGES_MAX,
+    JSON_MAX_DEPTH,
+    SEED_MAX,
+    TEMPLATE_MAX,
+    TOKENS_MAX,
+    ColumnMap,
+    json_problem,
+    no_nul,
+)
 
 
 class FieldError(BaseModel):
@@ -198,6 +207,10 @@ class DatasetCheckRequest(_Request):
     min_images: int = Field(0, ge=0, le=IMAGES_MAX, description="synth:<task> only")
     max_images: int = Field(3, ge=0, le=IMAGES_MAX, description="synth:<task> only")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="synth:<task> only")
+    columns: ColumnMap | None = Field(None, description="dataset.columns: the source columns of prompt, images, ...")
+    prompt_template: str | None = Field(None, max_length=TEMPLATE_MAX, description="dataset.prompt_template")
+    system_prompt: str | None = Field(None, max_length=TEMPLATE_MAX, description="dataset.system_prompt")
+    config_name: str | None = Field(None, max_length=200, description="dataset.config_name")
 
 
 class RowProblem(BaseModel):
@@ -222,6 +235,12 @@ class DatasetCheckOut(BaseModel):
     truncated_rows: int
     model: str | None
     max_prompt_length: int | None
+    conversions: dict[str, int] = Field(
+        default_factory=dict, description="images the processor takes converted (RGBA, P, L, CMYK, EXIF), by kind"
+    )
+    large_images: list[dict[str, Any]] = Field(
+        default_factory=list, description="images over 16 MP: {row, image, width, height, image_tokens}"
+    )
     summary: str
 
 
@@ -245,6 +264,11 @@ class DatasetPreviewOut(BaseModel):
     total_rows: int | None = Field(None, description="rows in the split (the preview shows the first ones)")
     note: str | None = Field(
         None, description="why fewer rows are shown than asked for (the preview's image and byte bounds), or null"
+    )
+    column_names: list[str] = Field(default_factory=list, description="the columns of the rows shown, in order")
+    guess: dict[str, Any] = Field(
+        default_factory=dict,
+        description="dataset.columns guessed from the column names (question, image_1 ..., solution); {}: none needed",
     )
 
 

@@ -36,14 +36,16 @@ def bad_dataset(tmp_path):
         {"prompt": two_placeholders, "images": ["ok.png"]},  # 1 placeholder/image count mismatch
         {"prompt": "where?", "images": ["missing.png"]},  # 2 missing file
         {"prompt": "what?", "images": ["broken.png"]},  # 3 unreadable
-        {"prompt": "gray", "images": ["gray.png"]},  # 4 non-RGB
-        {"prompt": "alpha", "images": ["ok.png", "rgba.png"]},  # 5 non-RGB, second image
+        {"prompt": "gray", "images": ["gray.png"]},  # 4 grayscale: converted as the processor does, fine
+        {"prompt": "alpha", "images": ["ok.png", "rgba.png"]},  # 5 RGBA, second image: composited onto white, fine
         {"prompt": "void", "images": ["empty.png"]},  # 6 zero-size file
         {"prompt": {"text": "hi"}, "images": []},  # 7 not conversational
         {"prompt": [{"role": "robot", "content": "hi"}]},  # 8 not conversational (role)
         {"prompt": "text only row"},  # 9 fine
     ]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    # 10: a malformed line is a bad row naming its file and line; 11: the rows after it are still read
+    (tmp_path / "train.jsonl").write_text(text + '{"prompt": "cut off\n' + json.dumps({"prompt": "after"}) + "\n")
     return tmp_path
 
 
@@ -51,11 +53,10 @@ EXPECTED = {
     1: "prompt has 2 image placeholder(s) but the row has 1 image(s)",
     2: "image 0 file not found",
     3: "unreadable",
-    4: "is mode L, not RGB",
-    5: "image 1",
     6: "zero size",
     7: "prompt is not conversational",
     8: "role 'robot'",
+    10: "train.jsonl line 11 is not valid JSON",
 }
 
 
@@ -66,8 +67,9 @@ def test_each_failure_kind_is_named_by_row(bad_dataset):
     assert sorted(by_row) == sorted(EXPECTED)
     for row, needle in EXPECTED.items():
         assert needle in by_row[row], (row, by_row[row])
-    assert "mode RGBA" in by_row[5]
-    assert report.images_per_row == [2, 0]
+    assert report.images_per_row == [2, 1, 2, 0, 0]
+    assert report.conversions == {"L to RGB": 1, "RGBA to RGB": 1}
+    assert "object at 0x" not in " ".join(by_row.values())
 
 
 def test_zero_size_image_object_is_refused():
@@ -98,7 +100,8 @@ def test_cli_exit_codes_and_output(bad_dataset, count_red_dir, capsys):
     out = capsys.readouterr().out.splitlines()
     for row, needle in EXPECTED.items():
         assert any(line.startswith(f"row {row}: ") and needle in line for line in out), (row, out)
-    assert out[-1].startswith("10 rows, 8 bad, images/row min 0 / mean 1.00 / max 2")
+    assert out[-1].startswith("12 rows, 7 bad, images/row min 0 / mean 1.00 / max 2")
+    assert "1 image(s): L to RGB (as the model's processor does)" in out
 
     assert main(["data", "check", str(count_red_dir), "--model", "tiny:llava", "--max-prompt-length", "256"]) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
@@ -112,7 +115,7 @@ def test_cli_exit_codes_and_output(bad_dataset, count_red_dir, capsys):
 def test_cli_json_report(bad_dataset, capsys):
     assert main(["data", "check", str(bad_dataset), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["ok"] is False and len(report["errors"]) == 8
+    assert report["ok"] is False and len(report["errors"]) == 7
     assert report["images_per_row"] == {"min": 0, "mean": 1, "max": 2}
 
 

@@ -153,10 +153,13 @@ def test_a_bad_dataset_lists_every_bad_row_and_skips_none(tmp_path):
     assert "row 2: image 0 file not found" in str(info.value)
 
 
-def test_invalid_json_names_the_line(tmp_path):
-    (tmp_path / "train.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
-    with pytest.raises(DatasetError, match=r"train.jsonl:2: row 1 is not valid JSON"):
-        load_dataset(str(tmp_path))
+def test_invalid_json_is_a_bad_row_naming_the_line_and_the_rest_is_read(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n[1, 2]\n\n{"prompt": "d"}\n')
+    items = list(load_dataset(str(tmp_path)).samples())
+    assert [type(i).__name__ for i in items] == ["Sample", "RowError", "RowError", "Sample"]
+    assert str(items[1]).startswith("row 1: train.jsonl line 2 is not valid JSON")
+    assert str(items[2]) == "row 2: train.jsonl line 3 is a JSON list, not an object"
+    assert items[3].row == 3 and items[3].prompt[0]["content"][-1]["text"] == "d"
 
 
 def test_missing_source_and_split_are_clear(tmp_path):

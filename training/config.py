@@ -164,6 +164,9 @@ class DatasetSettings(_Strict):
     columns: ColumnMap | None = None
     prompt_template: str | None = Field(None, min_length=1, max_length=TEMPLATE_MAX)
     system_prompt: str | None = Field(None, min_length=1, max_length=TEMPLATE_MAX)
+    # a row `collage data check` refuses (a corrupt image, a malformed line): skip: named in a warning event and
+    # left out, the others used (a split with no usable row still fails); fail: the run fails before training
+    bad_rows: Literal["skip", "fail"] = "skip"
     rows: int = Field(256, gt=0, le=ROWS_MAX)
     min_images: int = Field(0, ge=0, le=IMAGES_MAX)
     max_images: int = Field(3, ge=0, le=IMAGES_MAX)

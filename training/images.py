@@ -27,13 +27,14 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 # Pillow format ids; the only decoders Collage ever lets Pillow run. MPO has no id of its own: Pillow's JPEG
 # decoder recognises it (and the image's format then reads "MPO")
@@ -163,7 +164,7 @@ def decode_raster(data: bytes, budget: ReadBudget | None = None) -> Image.Image:
             f"is unreadable: not a {FORMAT_NAMES} image (Collage opens only these raster formats)"
         ) from None
     except (OSError, SyntaxError, ValueError, TypeError, EOFError) as exc:
-        raise ImageRefused(f"is unreadable: {exc}") from None
+        raise ImageRefused(f"is unreadable: {_plain(exc)}") from None
     width, height = image.size
     limit = Image.MAX_IMAGE_PIXELS
     if limit is not None and width * height > limit:
@@ -178,5 +179,43 @@ def decode_raster(data: bytes, budget: ReadBudget | None = None) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageRefused(f"is too large to decode: {exc}") from None
     except (OSError, SyntaxError, ValueError, TypeError, EOFError) as exc:
-        raise ImageRefused(f"is unreadable: {exc}") from None
+        raise ImageRefused(f"is unreadable: {_plain(exc)}") from None
     return image
+
+
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def _plain(exc: BaseException) -> str:
+    """A decoder's message without the in-memory object it names (``cannot identify image file <_io.BytesIO
+    object at 0x...>``): the caller names the row and file; a Python object means nothing to the user."""
+    return _OBJECT_REPR.sub("", str(exc)).strip() or type(exc).__name__
+
+
+def as_processor_sees(image: Image.Image) -> tuple[Image.Image, list[str]]:
+    """``image`` upright and in RGB, as the families' processors take it, and what was changed (``[]``: nothing).
+
+    - EXIF orientation is applied (``transformers.image_utils.load_image`` does this for a file or URL; a photo
+      taken sideways is shown upright to the model, as in every viewer);
+    - a non-RGB image is converted like ``transformers.image_transforms.convert_to_rgb`` (``do_convert_rgb``):
+      transparency (an alpha band, or a palette's transparent colour) composited onto white, everything else
+      (L, 1, P, CMYK, I;16, ...) through Pillow's ``convert("RGB")``.
+    """
+    changes = []
+    orientation = image.getexif().get(0x0112, 1)  # 0x0112: the EXIF Orientation tag
+    if orientation not in (1, None):
+        upright = ImageOps.exif_transpose(image)
+        if upright is not None:
+            image = upright
+            changes.append(f"EXIF orientation {orientation} applied")
+    if image.mode != "RGB":
+        mode = image.mode
+        if "A" in image.getbands() or image.info.get("transparency") is not None:
+            rgba = image.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            image = Image.alpha_composite(white, rgba).convert("RGB")
+            changes.append(f"{mode} with transparency composited onto white")
+        else:
+            image = image.convert("RGB")
+            changes.append(f"{mode} converted to RGB")
+    return image, changes

@@ -48,6 +48,7 @@ from .checkpoint import (
 from .config import RunConfig, TrainSettings
 from .data.heldout import HeldOut, load_heldout, training_rows
 from .data.loader import DatasetError, LoadedDataset, load_dataset
+from .data.mapping import RowMapping
 from .data.rows import Sample, image_source
 from .errors import CollageError
 from .evaluation import ScoredCompletion, eval_metric_keys, eval_metrics, weighted_reward
@@ -242,7 +243,8 @@ class Trainer:
         if d.source.startswith("synth:"):
             synth = dict(rows=d.rows, min_images=d.min_images, max_images=d.max_images, seed=d.seed)
         try:
-            dataset = load_dataset(d.source, d.split, data_roots=self.data_roots, **synth)
+            dataset = load_dataset(d.source, d.split, data_roots=self.data_roots, mapping=RowMapping.of(d),
+                                   config_name=d.config_name, **synth)  # fmt: skip
         except DatasetError as exc:
             raise TrainingError(f"dataset.source: {exc}") from None
         if len(dataset) == 0:
@@ -276,16 +278,23 @@ class Trainer:
         cfg = self.config
         report = cached_check(split, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)
         bad = report.errors
-        if bad:
-            raise TrainingError(
-                str(
-                    DatasetError(
-                        f"dataset {split.source}: {len(bad)} of {len(split)} rows fail `collage data check`",
-                        bad,
-                    )
-                )
+        if bad and (cfg.dataset.bad_rows == "fail" or len(bad) == len(split)):
+            why = "no row is usable" if len(bad) == len(split) else "dataset.bad_rows: fail"
+            message = f"dataset {split.source}: {len(bad)} of {len(split)} rows fail `collage data check` ({why})"
+            raise TrainingError(str(DatasetError(message, bad)))
+        skipped = {error.row for error in bad}
+        good = [raw.row for raw in split.rows if raw.row not in skipped]
+        counts = dict(zip(good, report.images_per_row, strict=True))
+        if bad:  # dataset.bad_rows: skip: the others are used, and each skipped row is named
+            self.dataset = training_rows(self.dataset, sorted(skipped))
+            shown = "; ".join(str(error) for error in bad[:20]) + ("; ..." if len(bad) > 20 else "")
+            self._pending_events.append(
+                (
+                    "warning",
+                    f"dataset {split.source}: {len(bad)} of {len(split)} rows skipped (dataset.bad_rows: "
+                    f"skip; `collage data check` lists them all): {shown}",
+                )  # fmt: skip
             )
-        counts = dict(zip((raw.row for raw in split.rows), report.images_per_row, strict=True))
         self.images_per_row: list[int] = [counts[raw.row] for raw in self.dataset.rows]
         self.eval_images_per_row: list[int] = []
         if self.heldout is not None:
@@ -302,6 +311,10 @@ class Trainer:
         from .data.check import cached_check
 
         if heldout.held_rows is not None:
+            unusable = [raw.row for raw in heldout.rows if raw.row not in counts]
+            if unusable:  # held-out rows are never skipped: the evaluation would measure other rows than it says
+                rows = ", ".join(map(str, unusable[:20]))
+                raise TrainingError(f"{heldout.key}: held-out rows fail `collage data check` (rows {rows})")
             return [counts[raw.row] for raw in heldout.rows]
         cfg = self.config
         report = cached_check(heldout.loaded, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)

@@ -36,9 +36,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from pydantic import ValidationError
 
-from collage.training.config import IMAGES_MAX, SEED_MAX
+from collage.training.config import IMAGES_MAX, SEED_MAX, DatasetSettings
 from collage.training.data.check import remove_temp_files_of
+from collage.training.data.mapping import parse_columns
 from collage.training.data.synth import remove_temp_folders_of
 
 from ..auth import UNAUTHORIZED, require_token
@@ -323,6 +325,22 @@ def _refuse(settings: Settings, source: str, split: str, model: str | None = Non
             raise HTTPException(400, f"{name}: {message}")
 
 
+def _mapping_fields(
+    source: str, columns: dict[str, Any] | None, template: str | None, system: str | None, config_name: str | None
+) -> dict[str, Any]:
+    """The helper request's ``mapping`` and ``config_name``, validated as ``dataset.*`` of a run config is (422
+    naming the parameter: a template with attribute access, a template and columns.prompt together)."""
+    fields = {"columns": columns, "prompt_template": template, "system_prompt": system, "config_name": config_name}
+    try:
+        DatasetSettings(source=source, **fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "dataset"
+        raise HTTPException(422, f"{where}: {first['msg']}") from None
+    mapping = {k: v for k, v in fields.items() if k != "config_name" and v is not None}
+    return {"mapping": mapping, "config_name": config_name}
+
+
 @router.post(
     "/datasets/check",
     response_model=DatasetCheckOut,
@@ -337,10 +355,13 @@ async def check(
     _refuse(settings, body.source, body.split, body.model or None, images)
     if body.max_prompt_length and not body.model:
         raise HTTPException(400, "max_prompt_length: needs a model to count the prompt's tokens")
+    mapping = _mapping_fields(body.source, body.columns.model_dump(exclude_none=True) if body.columns else None,
+                              body.prompt_template, body.system_prompt, body.config_name)  # fmt: skip
     job = {
         "op": "check",
         "source": body.source,
         "split": body.split,
+        **mapping,
         "model": body.model or None,
         "max_prompt_length": body.max_prompt_length or None,
         "synth": {"rows": body.rows, "min_images": body.min_images, "max_images": body.max_images, "seed": body.seed},
@@ -367,6 +388,12 @@ async def preview(
     min_images: Annotated[int, Query(ge=0, le=IMAGES_MAX, description="synth:<task> only")] = 0,
     max_images: Annotated[int, Query(ge=0, le=IMAGES_MAX, description="synth:<task> only")] = 3,
     seed: Annotated[int, Query(ge=0, le=SEED_MAX, description="synth:<task> only")] = 0,
+    columns: Annotated[
+        str | None, Query(max_length=2000, description="dataset.columns as prompt=question,images=image_1+image_2")
+    ] = None,
+    prompt_template: Annotated[str | None, Query(max_length=20_000, description="dataset.prompt_template")] = None,
+    system_prompt: Annotated[str | None, Query(max_length=20_000, description="dataset.system_prompt")] = None,
+    config_name: Annotated[str | None, Query(max_length=200, description="dataset.config_name")] = None,
 ) -> DatasetPreviewOut:
     """The first rows with their images (served by `GET /images/{sha256}`); for `synth:<task>`, the rows of the
     dataset a run with the same `dataset.rows`, `min_images`, `max_images` and `seed` trains on (generated for the
@@ -374,11 +401,17 @@ async def preview(
     and `COLLAGE_PREVIEW_MAX_BYTES` bytes of image data (`note` says where the preview stopped)."""
     settings: Settings = request.app.state.settings
     _refuse(settings, source, split, images=(min_images, max_images))
+    try:
+        parsed = parse_columns(columns) if columns else None
+    except ValueError as exc:
+        raise HTTPException(422, f"columns: {exc}") from None
+    mapping = _mapping_fields(source, parsed, prompt_template, system_prompt, config_name)
     artifacts = Path(settings.artifacts).absolute()
     job = {
         "op": "preview",
         "source": source,
         "split": split,
+        **mapping,
         "rows": rows,
         "artifacts": str(artifacts),
         "synth": {"rows": dataset_rows, "min_images": min_images, "max_images": max_images, "seed": seed},
@@ -394,6 +427,8 @@ async def preview(
         source=source,
         total_rows=report.get("total_rows"),
         note=report.get("note"),
+        column_names=report.get("column_names") or [],
+        guess=report.get("guess") or {},
         rows=[
             PreviewRow(
                 row=r["row"],

@@ -18,6 +18,7 @@ from sqlmodel import Session, col
 from collage.training.config import ConfigError, RunConfig, apply_overrides, parse_config
 
 from ..auth import FORBIDDEN, UNAUTHORIZED, check_may_change, require_token, still_authorised
+from ..dataset_probe import probe_errors
 from ..db import session_scope
 from ..models import ENDED, ApiToken, Event, Metric, Run, RunTag, utcnow
 from ..schemas import (
@@ -68,6 +69,8 @@ def _dispatch(request: Request, run: Run) -> None:
 
 def _create(request: Request, config: RunConfig, token: ApiToken, parent_id: str | None = None) -> Run:
     errors = semantic_errors(config, request.app.state.settings)
+    if not errors:  # the dataset is read only once its source may be read at all
+        errors = probe_errors(request, config, token)
     if errors:
         raise _validation_error(errors)
     run = request.app.state.writer.create_run(config.model_dump(mode="json"), parent_id=parent_id, created_by=token)

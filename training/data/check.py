@@ -23,11 +23,13 @@ from typing import Any
 from ..home import collage_home
 from ..images import ImageRefused, image_file
 from .loader import LoadedDataset, load_dataset
-from .rows import RowError
+from .rows import RowError, image_source
 
 log = logging.getLogger("collage.training")
 
-CHECK_CACHE_VERSION = 2  # 2: raster formats only, image paths confined to the data roots
+# 2: raster formats only, image paths confined to the data roots; 3: column mappings, RGB conversion, bad lines
+CHECK_CACHE_VERSION = 3
+LARGE_IMAGE_PIXELS = 4096 * 4096  # an image above this is named in the report with what the model makes of it
 SMALL_FILE = 1 << 20  # data files up to this size are fingerprinted by content, larger ones by size and mtime
 
 
@@ -42,6 +44,14 @@ class CheckReport:
     truncated_rows: int = 0  # rows whose text will be cut to fit max_prompt_length
     model: str | None = None
     max_prompt_length: int | None = None
+    # images the processor takes after a change (RGBA composited, P, L, CMYK, EXIF rotation): how many of each
+    conversions: dict[str, int] = field(default_factory=dict)
+    # very large images: {row, image, width, height, image_tokens (the row's, with a model)}
+    large_images: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def usable(self) -> int:
+        return self.rows - len(self.errors)
 
     @property
     def ok(self) -> bool:
@@ -57,6 +67,10 @@ class CheckReport:
             parts.append(f"prompt tokens/row {_stats(self.prompt_tokens_per_row)}")
         if self.max_prompt_length is not None and self.model:
             parts.append(f"{self.truncated_rows} rows truncated to max_prompt_length={self.max_prompt_length}")
+        if self.conversions:
+            parts.append(f"{sum(self.conversions.values())} images converted as the processor does")
+        if self.large_images:
+            parts.append(f"{len(self.large_images)} images over {LARGE_IMAGE_PIXELS // 1_000_000} MP")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,6 +85,8 @@ class CheckReport:
             "truncated_rows": self.truncated_rows,
             "model": self.model,
             "max_prompt_length": self.max_prompt_length,
+            "conversions": self.conversions,
+            "large_images": self.large_images,
             "summary": self.summary(),
         }
 
@@ -92,12 +108,18 @@ def check_dataset(
     max_prompt_length: int | None = None,
     use_cache: bool = True,
     data_roots: Sequence[Path] | None = None,
+    mapping: Any = None,
+    config_name: str | None = None,
+    limit: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
     **synth_options: Any,
 ) -> CheckReport:
-    """Validate every row; image paths must lie under ``data_roots`` (None: unconfined). Raises
-    :class:`~training.data.loader.DatasetError` only when the source itself cannot be read; row problems are
-    collected in the report."""
-    dataset = load_dataset(source, split, data_roots=data_roots, **synth_options)
+    """Validate every row (the first ``limit`` with a limit: a sample); image paths must lie under ``data_roots``
+    (None: unconfined); ``mapping``: the config's column mapping (:class:`~training.data.mapping.RowMapping`).
+    Raises :class:`~training.data.loader.DatasetError` only when the source itself cannot be read; row problems
+    are collected in the report. ``progress(done, total)`` is called as rows are checked."""
+    dataset = load_dataset(source, split, data_roots=data_roots, mapping=mapping, config_name=config_name,
+                           limit=limit, **synth_options)  # fmt: skip
 
     def encoder() -> Any:
         if model is None:
@@ -108,7 +130,8 @@ def check_dataset(
         processor, family = load_processor(model)
         return PromptEncoder(processor, family, max_prompt_length)
 
-    return cached_check(dataset, model, max_prompt_length, encoder, use_cache=use_cache)
+    return cached_check(dataset, model, max_prompt_length, encoder, use_cache=use_cache and limit is None,
+                        progress=progress)  # fmt: skip
 
 
 def _stat(path: Path, content: bool) -> list[Any]:
@@ -159,6 +182,7 @@ def dataset_fingerprint(dataset: LoadedDataset, model: str | None, max_prompt_le
         "model": model,
         "model_files": models,
         "max_prompt_length": max_prompt_length,
+        "mappings": sorted({repr(raw.mapping) for raw in dataset.rows}),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -189,6 +213,8 @@ def _report_record(report: CheckReport, fingerprint: str) -> dict[str, Any]:
         "truncated_rows": report.truncated_rows,
         "model": report.model,
         "max_prompt_length": report.max_prompt_length,
+        "conversions": report.conversions,
+        "large_images": report.large_images,
     }
 
 
@@ -207,6 +233,8 @@ def _load_cached(path: Path, fingerprint: str, source: str) -> CheckReport | Non
             truncated_rows=int(record["truncated_rows"]),
             model=record["model"],
             max_prompt_length=record["max_prompt_length"],
+            conversions={str(k): int(v) for k, v in record["conversions"].items()},
+            large_images=list(record["large_images"]),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None  # missing or damaged: check again
@@ -218,6 +246,7 @@ def cached_check(
     max_prompt_length: int | None,
     encoder: Callable[[], Any],
     use_cache: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> CheckReport:
     """The check report of ``dataset``, from the cache when its fingerprint matches, else computed (``encoder()``
     gives the prompt encoder, only on a miss) and stored."""
@@ -227,7 +256,7 @@ def cached_check(
         hit = _load_cached(path, fingerprint, dataset.source)
         if hit is not None:
             return hit
-    report = run_check(dataset, model, max_prompt_length, encoder())
+    report = run_check(dataset, model, max_prompt_length, encoder(), progress)
     if path is not None and fingerprint is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,21 +268,45 @@ def cached_check(
     return report
 
 
-def run_check(dataset: LoadedDataset, model: str | None, max_prompt_length: int | None, encoder: Any) -> CheckReport:
+def run_check(
+    dataset: LoadedDataset,
+    model: str | None,
+    max_prompt_length: int | None,
+    encoder: Any,
+    progress: Callable[[int, int], None] | None = None,
+) -> CheckReport:
     """Decode every row and, with an ``encoder`` (a PromptEncoder), encode its prompt."""
     report = CheckReport(source=dataset.source, rows=len(dataset), model=model, max_prompt_length=max_prompt_length)
-    for item in dataset.samples():
+    for done, item in enumerate(dataset.samples(), start=1):
+        if progress is not None:
+            progress(done, len(dataset))
         if isinstance(item, RowError):
             report.errors.append(item)
             continue
+        tokens = None
         if encoder is not None:
             try:
                 encoded = encoder.encode(item)
             except RowError as err:
                 report.errors.append(err)
                 continue
+            tokens = encoded.num_image_tokens
             report.image_tokens_per_row.append(encoded.num_image_tokens)
             report.prompt_tokens_per_row.append(len(encoded.input_ids) + encoded.truncated_tokens)
             report.truncated_rows += encoded.truncated_tokens > 0
         report.images_per_row.append(item.num_images)
+        _note_images(report, item.row, item.images, tokens)
     return report
+
+
+def _note_images(report: CheckReport, row: int, images: list[Any], row_tokens: int | None) -> None:
+    for index, image in enumerate(images):
+        source = image_source(image)
+        for change in source.changes if source is not None else ():
+            kind = change.split(" ", 1)[0] if "converted" in change or "transparency" in change else "EXIF"
+            key = "EXIF orientation" if kind == "EXIF" else f"{kind} to RGB"
+            report.conversions[key] = report.conversions.get(key, 0) + 1
+        if image.width * image.height > LARGE_IMAGE_PIXELS:
+            report.large_images.append(
+                {"row": row, "image": index, "width": image.width, "height": image.height, "image_tokens": row_tokens}
+            )

@@ -102,7 +102,11 @@ def load_heldout(
         return None
     if source.startswith("synth:"):
         return _synthetic(settings, source, split, key, train, max_rows)
-    dataset = load_dataset(source, split, data_roots=data_roots, limit=max_rows)
+    from .mapping import RowMapping
+
+    same_source = settings.eval_source is None
+    dataset = load_dataset(source, split, data_roots=data_roots, limit=max_rows, mapping=RowMapping.of(settings),
+                           config_name=settings.config_name if same_source else None)  # fmt: skip
     if len(dataset) == 0:
         raise DatasetError(f"{source} split {split!r} has no rows")
     return HeldOut(dataset, list(range(len(dataset))), key, f"{len(dataset)} rows of {source} split {split!r}")

@@ -5,19 +5,23 @@ Sources, in the order they are tried:
 - ``synth:<task>``: a synthetic task, written to disk under ``COLLAGE_HOME`` once and read back through the
   same JSONL path as user data (see :mod:`training.data.synth`); a preview (``limit``) generates only the rows it
   shows, in memory, with the content the written dataset has at those rows;
-- a local ``.jsonl`` / ``.parquet`` file, or a folder holding ``<split>.jsonl`` / ``<split>.parquet`` (or
-  ``<split>-*.parquet`` shards); image paths are relative to the file's folder;
+- a local ``.jsonl`` / ``.parquet`` / ``.csv`` file, or a folder holding ``<split>.jsonl`` / ``<split>.parquet`` /
+  ``<split>.csv`` (or ``<split>-*.parquet`` shards); image paths are relative to the file's folder;
+- a local snapshot of a Hub dataset repository: ``data/<split>-*.parquet`` (or the files the ``configs:`` of its
+  ``README.md`` name for ``config_name`` and the split);
 - a ``datasets`` ``save_to_disk`` folder (a ``Dataset`` or a ``DatasetDict`` with that split);
 - anything else is treated as a hub dataset id and handed to ``datasets.load_dataset`` (needs internet).
 
 Image paths inside rows are confined to ``data_roots`` (the operator's ``COLLAGE_DATA_ROOTS``; None: unconfined,
-the operator's own CLI only) when an image is opened (:mod:`training.images`). Rows from ``datasets`` are read in
+the operator's own CLI only) when an image is opened (:mod:`training.images`). A row that cannot even be parsed
+(a malformed JSONL line) is a bad row with its file and line, like any other: the rest are still read. Rows from ``datasets`` are read in
 its arrow format, so that ``datasets`` never decodes a column itself: an ``Image`` feature would open whatever
 path the data names, in any format Pillow knows; Collage opens it instead, confined and raster-only.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -86,10 +90,29 @@ def load_dataset(
     *,
     data_roots: Sequence[Path | str] | None = None,
     limit: int | None = None,
+    mapping: Any = None,
+    config_name: str | None = None,
     **synth_options: Any,
 ) -> LoadedDataset:
     """The rows of ``split``. ``data_roots``: the folders every image path of a row must lie under (None:
-    unconfined). ``limit``: read only the first rows (a preview); ``total`` then says how many the split has."""
+    unconfined). ``limit``: read only the first rows (a preview); ``total`` then says how many the split has.
+    ``mapping``: a :class:`~training.data.mapping.RowMapping` (the config's columns, template, system prompt).
+    ``config_name``: the configuration of a Hub dataset (its snapshot's ``README.md`` ``configs:``)."""
+    loaded = _load(source, split, data_roots, limit, config_name, synth_options)
+    if mapping is not None:
+        for raw in loaded.rows:
+            raw.mapping = mapping
+    return loaded
+
+
+def _load(
+    source: str,
+    split: str,
+    data_roots: Sequence[Path | str] | None,
+    limit: int | None,
+    config_name: str | None,
+    synth_options: dict[str, Any],
+) -> LoadedDataset:
     if source.startswith("synth:"):
         from .synth import cached_synth_dataset, synth_rows
 
@@ -100,7 +123,7 @@ def load_dataset(
         folder = cached_synth_dataset(task, **synth_options)
         # Collage wrote it itself under COLLAGE_HOME/cache: its own folder is the root its rows need, whatever
         # COLLAGE_DATA_ROOTS says
-        return load_dataset(str(folder), split, data_roots=[folder])
+        return _load(str(folder), split, [folder], None, None, {})
     roots = resolve_roots(data_roots)
     path = Path(source).expanduser()
     if path.is_file():
@@ -111,16 +134,21 @@ def load_dataset(
             saved = sorted(p for p in path.rglob("*") if p.is_file())
             rows, total = _read_saved(path, split, roots, limit)
             return _loaded(source, split, rows, saved, roots, total, limit)
-        files = _split_files(path, split)
+        from .snapshot import SnapshotError, snapshot_files
+
+        try:
+            files = snapshot_files(path, split, config_name) or _split_files(path, split)
+        except SnapshotError as exc:
+            raise DatasetError(str(exc)) from None
         rows, total = [], 0
         for file in files:
             more, count = _read_file(file, roots, None if limit is None else limit - len(rows), offset=len(rows))
             rows.extend(more)
             total += count
         return _loaded(source, split, rows, files, roots, total, limit)
-    if source.startswith((".", "/", "~")) or path.suffix in (".jsonl", ".parquet", ".json"):
+    if source.startswith((".", "/", "~")) or path.suffix in (".jsonl", ".parquet", ".json", ".csv"):
         raise DatasetError(f"dataset source {source!r} does not exist")
-    rows, total = _read_hub(source, split, roots, limit)
+    rows, total = _read_hub(source, split, roots, limit, config_name)
     return _loaded(source, split, rows, None, roots, total, limit)
 
 
@@ -134,18 +162,20 @@ def _split_files(folder: Path, split: str) -> list[Path]:
     """The file(s) of ``split`` in a folder: ``<split>.jsonl``, ``<split>.parquet``, its shards, or the only one."""
     if Path(split).name != split or split in (".", ".."):  # <split>.jsonl must stay inside the folder
         raise DatasetError(f"split {split!r} is a name like train, not a path")
-    candidates = [folder / f"{split}.jsonl", folder / f"{split}.parquet"]
+    candidates = [folder / f"{split}.jsonl", folder / f"{split}.parquet", folder / f"{split}.csv"]
     for file in candidates:
         if file.is_file():
             return [file]
     shards = sorted(folder.glob(f"{split}-*.parquet"))
     if shards:
         return shards
-    data_files = sorted([*folder.glob("*.jsonl"), *folder.glob("*.parquet")])
+    data_files = sorted([*folder.glob("*.jsonl"), *folder.glob("*.parquet"), *folder.glob("*.csv")])
     if len(data_files) == 1:
         return data_files
-    found = ", ".join(p.name for p in data_files) or "no .jsonl or .parquet file"
-    raise DatasetError(f"{folder}: no {split}.jsonl or {split}.parquet for split {split!r} (found: {found})")
+    found = ", ".join(p.name for p in data_files) or "no .jsonl, .parquet or .csv file"
+    raise DatasetError(
+        f"{folder}: no {split}.jsonl, {split}.parquet or {split}.csv for split {split!r} (found: {found})"
+    )
 
 
 def _read_file(file: Path, roots: Roots, limit: int | None, offset: int = 0) -> tuple[list[RawRow], int]:
@@ -165,7 +195,38 @@ def _read_file(file: Path, roots: Roots, limit: int | None, offset: int = 0) -> 
                 if len(records) >= wanted:
                     break
         return [RawRow(offset + i, row, file.parent, roots) for i, row in enumerate(records)], total
-    raise DatasetError(f"{file}: unsupported file type {file.suffix!r}; use .jsonl or .parquet")
+    if file.suffix == ".csv":
+        return _read_csv(file, offset, roots, limit)
+    raise DatasetError(f"{file}: unsupported file type {file.suffix!r}; use .jsonl, .parquet or .csv")
+
+
+def _read_csv(file: Path, offset: int, roots: Roots, limit: int | None) -> tuple[list[RawRow], int]:
+    """A CSV with a header row: each cell a string (an image column holds a path relative to the file's folder);
+    an empty cell is None (an ``image_3`` left empty on a two-image row is skipped by the column mapping)."""
+    rows: list[RawRow] = []
+    total = 0
+    try:
+        with file.open(encoding="utf-8", newline="") as fh:
+            reader = csv.DictReader(fh)
+            for record in reader:
+                total += 1
+                if limit is not None and len(rows) >= limit:
+                    continue  # counted, not kept
+                index = offset + len(rows)
+                if None in record:  # more cells than the header has columns
+                    extra, columns = len(record[None]), len(reader.fieldnames or [])  # type: ignore[index]
+                    problem = (
+                        f"{file.name} line {reader.line_num}: {extra} cell(s) more than the header's {columns} columns"
+                    )
+                    rows.append(RawRow(index, {}, file.parent, roots, problem=problem))
+                    continue
+                data = {k: (v if v != "" else None) for k, v in record.items()}
+                rows.append(RawRow(index, data, file.parent, roots))
+    except UnicodeDecodeError:
+        raise DatasetError(f"{file}: not UTF-8 text") from None
+    except csv.Error as exc:
+        raise DatasetError(f"{file}: not a CSV file ({exc})") from None
+    return rows, total
 
 
 def _read_jsonl(file: Path, offset: int, roots: Roots, limit: int | None) -> tuple[list[RawRow], int]:
@@ -177,16 +238,24 @@ def _read_jsonl(file: Path, offset: int, roots: Roots, limit: int | None) -> tup
             if not raw.strip():
                 continue
             index = offset + len(rows)
+            # a line that cannot be read is a bad row naming its file and line; the other rows are still read
+            where = f"{file.name} line {line_no}"
             try:
                 data = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
-                raise DatasetError(f"{file}:{line_no}: row {index} is not UTF-8 text") from None
+                rows.append(RawRow(index, {}, file.parent, roots, problem=f"{where} is not UTF-8 text"))
+                continue
             except json.JSONDecodeError as exc:
-                raise DatasetError(f"{file}:{line_no}: row {index} is not valid JSON ({exc.msg})") from None
+                problem = f"{where} is not valid JSON ({exc.msg} at column {exc.colno})"
+                rows.append(RawRow(index, {}, file.parent, roots, problem=problem))
+                continue
             except RecursionError:
-                raise DatasetError(f"{file}:{line_no}: row {index} is nested too deeply to read") from None
+                rows.append(RawRow(index, {}, file.parent, roots, problem=f"{where} is nested too deeply to read"))
+                continue
             if not isinstance(data, dict):
-                raise DatasetError(f"{file}:{line_no}: row {index} is not a JSON object")
+                problem = f"{where} is a JSON {type(data).__name__}, not an object"
+                rows.append(RawRow(index, {}, file.parent, roots, problem=problem))
+                continue
             rows.append(RawRow(index, data, file.parent, roots))
     return rows, len(rows)
 
@@ -229,11 +298,13 @@ def _read_saved(folder: Path, split: str, roots: Roots, limit: int | None) -> tu
     return _dataset_rows(loaded, folder, roots, limit)
 
 
-def _read_hub(source: str, split: str, roots: Roots, limit: int | None) -> tuple[list[RawRow], int]:
+def _read_hub(
+    source: str, split: str, roots: Roots, limit: int | None, config_name: str | None
+) -> tuple[list[RawRow], int]:
     import datasets
 
     try:
-        loaded = datasets.load_dataset(source, split=split)
+        loaded = datasets.load_dataset(source, config_name, split=split)
     except Exception as exc:  # the hub client raises many types; the user needs the source and the reason
         raise DatasetError(f"dataset {source!r} is neither a local path nor a loadable hub dataset: {exc}") from exc
     return _dataset_rows(loaded, None, roots, limit)

@@ -16,10 +16,17 @@ from typing import Any
 from PIL import Image
 
 from ..errors import CollageError
-from ..images import FileMissing, ImageRefused, ReadBudget, decode_raster, image_file, read_image_file
+from ..images import (
+    FileMissing,
+    ImageRefused,
+    ReadBudget,
+    as_processor_sees,
+    decode_raster,
+    image_file,
+    read_image_file,
+)
 
 ROLES = ("system", "user", "assistant")
-RESERVED_COLUMNS = ("prompt", "images", "image")
 
 
 class RowError(CollageError, ValueError):
@@ -37,8 +44,10 @@ class ImageSource:
     already a PNG, the bytes themselves, so rollout rows can reference the image without re-encoding it."""
 
     sha256: str
-    png: bytes | None  # the original bytes when they are a PNG, else None
+    png: bytes | None  # the original bytes when they are a PNG the model sees unchanged, else None
     format: str | None = None
+    # what was done to make it what the processor takes (RGB, upright): "P with transparency composited onto white"
+    changes: tuple[str, ...] = ()
 
 
 _SOURCE_ATTR = "_collage_source"
@@ -67,32 +76,34 @@ class Sample:
 @dataclass
 class RawRow:
     """A row as stored, before images are opened. ``base_dir`` resolves relative image paths; ``roots`` (resolved)
-    confine them, None leaves them unconfined (the loader sets both)."""
+    confine them, None leaves them unconfined (the loader sets both). ``mapping`` (a
+    :class:`~training.data.mapping.RowMapping`; None: TRL's column names) says where the prompt, images and answer
+    are. ``problem``: why the stored row could not even be read (a malformed JSONL line): it is a bad row."""
 
     row: int
     data: dict[str, Any]
     base_dir: Path | None = None
     roots: tuple[Path, ...] | None = None
+    mapping: Any = None
+    problem: str | None = None
+
+    def _mapped(self) -> Any:
+        from .mapping import RowMapping  # mapping imports RowError from here
+
+        if self.problem is not None:
+            raise RowError(self.row, self.problem)
+        return (self.mapping or RowMapping()).apply(self.row, self.data)
 
     def image_refs(self) -> list[Any]:
-        if "images" in self.data and self.data["images"] is not None:
-            refs = self.data["images"]
-            if not isinstance(refs, (list, tuple)):
-                raise RowError(self.row, f"'images' must be a list, got {type(refs).__name__}")
-            return list(refs)
-        if self.data.get("image") is not None:  # legacy single-image column
-            return [self.data["image"]]
-        return []
+        return self._mapped().image_refs
 
     def to_sample(self, budget: ReadBudget | None = None) -> Sample:
         """The usable row, or :class:`RowError`; ``budget`` bounds what a preview reads (None: no bound)."""
-        if "prompt" not in self.data:
-            raise RowError(self.row, "no 'prompt' column")
-        refs = self.image_refs()
+        mapped = self._mapped()
+        refs = mapped.image_refs
         images = [open_image(self.row, i, ref, self.base_dir, self.roots, budget) for i, ref in enumerate(refs)]
-        prompt = normalise_prompt(self.row, self.data["prompt"], len(images))
-        columns = {k: v for k, v in self.data.items() if k not in RESERVED_COLUMNS}
-        return Sample(row=self.row, prompt=prompt, images=images, columns=columns)
+        prompt = normalise_prompt(self.row, mapped.prompt, len(images))
+        return Sample(row=self.row, prompt=prompt, images=images, columns=mapped.columns)
 
 
 def count_placeholders(prompt: list[dict[str, Any]]) -> int:
@@ -171,7 +182,7 @@ def open_image(
     ``budget`` bounds what a preview reads; running out raises :class:`~training.images.BudgetExhausted`."""
     what = f"image {index}"
     if isinstance(ref, Image.Image):
-        image = ref
+        image, _ = as_processor_sees(ref)
     else:
         if budget is not None:
             budget.take_image()
@@ -205,14 +216,20 @@ def open_image(
         except ImageRefused as exc:
             raise RowError(row, f"{what} {exc}") from None
         fmt = image.format
-        # hashed once here, from the bytes already in memory: rollout rows reference this hash (and, for a PNG,
-        # these bytes) instead of re-encoding the decoded image at every step
-        source = ImageSource(hashlib.sha256(data).hexdigest(), bytes(data) if fmt == "PNG" else None, fmt)
+        if image.width == 0 or image.height == 0:
+            raise RowError(row, f"{what} has zero size ({image.width}x{image.height})")
+        try:
+            image, changes = as_processor_sees(image)
+        except (OSError, ValueError) as exc:  # a mode Pillow cannot convert
+            raise RowError(row, f"{what} cannot be converted to RGB ({exc})") from None
+        # hashed once here, from the bytes already in memory: rollout rows reference this hash (and, for a PNG the
+        # model sees as it is, these bytes) instead of re-encoding the decoded image at every step; a converted
+        # image is encoded as the model sees it, once, by the rollout writer
+        png = bytes(data) if fmt == "PNG" and not changes else None
+        source = ImageSource(hashlib.sha256(data).hexdigest(), png, fmt, tuple(changes))
         setattr(image, _SOURCE_ATTR, source)
     if image.width == 0 or image.height == 0:
         raise RowError(row, f"{what} has zero size ({image.width}x{image.height})")
-    if image.mode != "RGB":
-        raise RowError(row, f"{what} is mode {image.mode}, not RGB: convert it first (PIL: image.convert('RGB'))")
     return image
 
 

@@ -58,16 +58,17 @@ def _normalise(answer: Any) -> str:
 
 def accuracy(completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float | None]:
     """1.0 when the completion's answer (inside ``<answer></answer>``, else its first word) equals the row's
-    ``answer`` column, ignoring case and a trailing full stop; 0.0 otherwise; ``None`` for rows without an
-    ``answer`` (or without the column)."""
+    ``answer`` column (a string or a number; a list: any of its acceptable answers), ignoring case and a trailing
+    full stop; 0.0 otherwise; ``None`` for rows without an ``answer`` (or without the column)."""
     if answer is None:
         return [None] * len(completions)
     out: list[float | None] = []
     for completion, expected in zip(completions, answer, strict=True):
-        if expected is None:
+        if expected is None or isinstance(expected, (list, tuple)) and not expected:
             out.append(None)
             continue
-        out.append(1.0 if _normalise(extract_answer(completion_text(completion))) == _normalise(expected) else 0.0)
+        accepted = {_normalise(e) for e in expected} if isinstance(expected, (list, tuple)) else {_normalise(expected)}
+        out.append(1.0 if _normalise(extract_answer(completion_text(completion))) in accepted else 0.0)
     return out
 
 
