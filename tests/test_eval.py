@@ -117,7 +117,7 @@ def test_eval_metrics_equal_a_recomputation_from_the_stored_eval_rollouts(tmp_pa
     train = {
         "max_steps": 2, "eval_strategy": "steps", "eval_steps": 1, "eval_on_start": True, "eval_num_generations": 2,
         "eval_temperature": 1.0, "per_device_eval_batch_size": 6, "eval_max_rows": 14,
-        "eval_pass_reward": "numeric", "eval_pass_threshold": 0.5, "max_prompt_length": 512,
+        "eval_pass_reward": "numeric", "eval_pass_threshold": 0.25, "max_prompt_length": 512,
     }  # fmt: skip
     config = make_config(
         rewards=REWARDS,
@@ -138,7 +138,7 @@ def test_eval_metrics_equal_a_recomputation_from_the_stored_eval_rollouts(tmp_pa
         assert [(s["group"], s["index"]) for s in rows] == [(g, i) for g in range(14) for i in range(2)]
         assert {s["advantage"] for s in rows} == {0.0}
         assert [s["dataset_row"] for s in rows[::2]] == [raw.row for raw in held]
-        expected = _recompute(rows, "numeric", 0.5, 2)
+        expected = _recompute(rows, "numeric", 0.25, 2)
         logged = _eval_keys(metrics[step])
         assert set(logged) == set(expected), set(logged) ^ set(expected)
         for key, value in expected.items():

@@ -293,13 +293,18 @@ def test_a_dataset_that_fails_data_check_is_refused_before_training(tmp_path):
     (tmp_path / "train.jsonl").write_text(
         json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": "where", "images": ["missing.png"]}) + "\n"
     )
-    with pytest.raises(TrainingError, match=r"row 1: image 0 file not found"):
-        Trainer(make_config(dataset={"source": str(tmp_path)}), None, []).train()
+    with pytest.raises(
+        TrainingError, match=r"1 of 2 rows fail .*\(dataset.bad_rows: fail\)\n.*row 1: image 0 file not found"
+    ):
+        Trainer(make_config(dataset={"source": str(tmp_path), "bad_rows": "fail"}), None, []).train()
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "where", "images": ["missing.png"]}) + "\n")
+    with pytest.raises(TrainingError, match=r"1 of 1 rows fail .*\(no row is usable\)"):
+        Trainer(make_config(dataset={"source": str(tmp_path)}), None, []).train()  # skip, but nothing is left
 
 
 def test_images_alone_over_max_prompt_length_are_refused_before_training():
     with pytest.raises(TrainingError, match=r"images alone take .* max_prompt_length=8"):
-        Trainer(make_config(train={"max_prompt_length": 8}), None, []).train()
+        Trainer(make_config(train={"max_prompt_length": 8}, dataset={"bad_rows": "fail"}), None, []).train()
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@
       if (value !== undefined) setPath(out, path, value);
     }
     if (!document.getElementById("lora-on").checked) setPath(out, "model.lora", null);
+    setPath(out, "dataset.columns", columnMap());
     if (!out.name) delete out.name;
     out.rewards = [...rewardsBox.querySelectorAll(".reward")].map(r => {
       const entry = { name: r.querySelector('[name="reward.name"]').value.trim(), weight: Number(r.querySelector('[name="reward.weight"]').value) };
@@ -93,6 +94,72 @@
   }
 
   let previewSeq = 0;
+  let mappingTouched = false;  // once the user picks a column, Preview's guess no longer changes the mapping
+  const mapSelects = [...form.querySelectorAll("select[data-column]")];
+
+  function columnMap() {
+    // dataset.columns from the dropdowns: a key left on its default is left out; null when none is mapped
+    const out = {};
+    for (const select of mapSelects) {
+      const chosen = [...select.selectedOptions].map(o => o.value).filter(Boolean);
+      if (!chosen.length) continue;
+      out[select.dataset.column] = select.multiple && chosen.length > 1 ? chosen : chosen[0];
+    }
+    return Object.keys(out).length ? out : null;
+  }
+
+  function columnsParam(map) {
+    // the preview's columns parameter: prompt=question,images=image_1+image_2
+    return map ? Object.entries(map).map(([k, v]) => `${k}=${Array.isArray(v) ? v.join("+") : v}`).join(",") : undefined;
+  }
+
+  function setColumnChoices(names, selected = columnMap() || {}) {
+    // the dropdowns list the dataset's columns (and any column already chosen), keeping the choices made
+    for (const select of mapSelects) {
+      const key = select.dataset.column;
+      const want = [selected[key] ?? []].flat();
+      const keep = [...select.options].filter(o => o.value === "");
+      const options = [...new Set([...names, ...want])].map(n => el("option", { value: n, text: n }));
+      select.replaceChildren(...keep, ...options);
+      for (const option of select.options) option.selected = want.includes(option.value) && option.value !== "";
+    }
+  }
+
+  function mappingParams(c) {
+    const d = c.dataset;
+    const out = { columns: columnsParam(d.columns), prompt_template: d.prompt_template || undefined,
+                  system_prompt: d.system_prompt || undefined, config_name: d.config_name || undefined };
+    return Object.fromEntries(Object.entries(out).filter(([, v]) => v !== undefined));
+  }
+
+  function loadRows(seq, rowsBox, source, c, synth) {
+    return api("/datasets/preview", { params: {
+      source, split: c.dataset.split, rows: 5, ...mappingParams(c),
+      ...(synth ? { dataset_rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed } : {}),
+    } }).then(data => {
+      if (seq !== previewSeq) return null;
+      const total = data.total_rows === null || data.total_rows === undefined ? "" : ` of ${data.total_rows}`;
+      rowsBox.replaceChildren(el("h3", { text: `First ${data.rows.length} rows${total}` }),
+        // where the preview stopped early (its image or byte budget) and why, said above the rows it did show
+        ...(data.note ? [el("p", { class: "preview-note muted", text: data.note })] : []), previewRows(data.rows));
+      return data;
+    }, err => { if (seq === previewSeq) rowsBox.replaceChildren(el("p", { class: "error", text: errorText(err) })); return null; });
+  }
+
+  let liveTimer = null;
+  function livePreview() {
+    // a changed mapping re-renders the previewed rows (not the whole check) a moment after the last change
+    clearTimeout(liveTimer);
+    liveTimer = setTimeout(() => {
+      const rowsBox = document.querySelector("#preview .preview-rows-box");
+      if (!rowsBox) return;
+      const source = form.querySelector('[name="dataset.source"]').value.trim();
+      const seq = ++previewSeq;
+      loadRows(seq, rowsBox, source, config(), source.startsWith("synth:")).then(() => {
+        if (seq === previewSeq) document.getElementById("preview").dataset.live = String(seq);
+      });
+    }, 300);
+  }
 
   function progressNode(label) {
     // shown while the dataset is read and checked: an indeterminate bar and the seconds so far
@@ -123,19 +190,20 @@
     box.setAttribute("aria-busy", "true");
     box.replaceChildren(progress.node, reportBox, rowsBox);
     button.disabled = true;
-    const rowsDone = api("/datasets/preview", { params: {
-      source, split: c.dataset.split, rows: 5,
-      ...(synth ? { dataset_rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed } : {}),
-    } }).then(data => {
-      if (seq !== previewSeq) return;
-      const total = data.total_rows === null || data.total_rows === undefined ? "" : ` of ${data.total_rows}`;
-      rowsBox.replaceChildren(el("h3", { text: `First ${data.rows.length} rows${total}` }),
-        // where the preview stopped early (its image or byte budget) and why, said above the rows it did show
-        ...(data.note ? [el("p", { class: "preview-note muted", text: data.note })] : []), previewRows(data.rows));
-    }, err => { if (seq === previewSeq) rowsBox.replaceChildren(el("p", { class: "error", text: errorText(err) })); });
+    const rowsDone = loadRows(seq, rowsBox, source, c, synth).then(data => {
+      if (!data) return;
+      setColumnChoices(data.column_names);
+      // the guess replaces the defaults until the user picks a column; the rows are shown again as it maps them
+      if (!mappingTouched && !c.dataset.columns && Object.keys(data.guess || {}).length) {
+        setColumnChoices(data.column_names, data.guess);
+        livePreview();
+      }
+    });
     const checkDone = api("/datasets/check", { method: "POST", body: {
       source, split: c.dataset.split, model: c.model.path, max_prompt_length: c.train.max_prompt_length || null,
       rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed,
+      columns: c.dataset.columns, prompt_template: c.dataset.prompt_template || null,
+      system_prompt: c.dataset.system_prompt || null, config_name: c.dataset.config_name || null,
     } }).then(report => {
       if (seq !== previewSeq) return;
       const parts = [el("p", { class: report.ok ? "ok" : "error", text: report.summary })];
@@ -176,6 +244,10 @@
       if (input.type === "checkbox") input.checked = !!value;
       else input.value = Array.isArray(value) ? value.join(", ") : value ?? "";
     }
+    const columns = cfg.dataset.columns || {};
+    const chosen = Object.fromEntries(Object.entries(columns).filter(([, v]) => v !== null && v !== undefined));
+    setColumnChoices([], chosen);
+    mappingTouched = Object.keys(chosen).length > 0;
     document.getElementById("lora-on").checked = !!cfg.model.lora;
     document.getElementById("lora").hidden = !cfg.model.lora;
     form.querySelector('[name="name"]').value = cfg.name + "-clone";
@@ -184,7 +256,13 @@
     showAlgorithmFields();
   }
 
-  form.addEventListener("change", e => { if (e.target.name === "algorithm") showAlgorithmFields(); });
+  form.addEventListener("change", e => {
+    if (e.target.name === "algorithm") showAlgorithmFields();
+    if (e.target.dataset.column) { mappingTouched = true; livePreview(); }
+  });
+  for (const name of ["dataset.prompt_template", "dataset.system_prompt"]) {
+    form.querySelector(`[name="${name}"]`)?.addEventListener("input", livePreview);
+  }
   document.getElementById("lora-on").addEventListener("change", e => { document.getElementById("lora").hidden = !e.target.checked; });
   document.getElementById("add-reward").addEventListener("click", () => addReward());
   document.getElementById("preview-btn").addEventListener("click", preview);

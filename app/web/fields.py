@@ -25,6 +25,23 @@ HELP: dict[str, tuple[str, str]] = {
     "dataset.min_images": ("synth:<task> only: fewest images per row; 0 mixes text-only rows in.", "int"),
     "dataset.max_images": ("synth:<task> only: most images per row.", "int"),
     "dataset.seed": ("synth:<task> only: the dataset's seed.", "int"),
+    "dataset.config_name": (
+        "A Hub dataset's configuration (its card's configs:); empty = the default.",
+        "optional-text",
+    ),
+    "dataset.prompt_template": (
+        "Build the prompt from the row's columns: {question} is a column's value, {images} where the images go "
+        "(else first). Not with a mapped prompt column. Empty = the prompt column as it is.",
+        "optional-text",
+    ),
+    "dataset.system_prompt": (
+        "A system turn for every row (a conversation with its own keeps it). Empty = none.",
+        "optional-text",
+    ),  # fmt: skip
+    "dataset.bad_rows": (
+        "Rows the data check refuses: skip (left out, each named in a warning) or fail (the run fails first).",
+        "choice",
+    ),
     "dataset.eval_split": (
         "Held-out data for evaluation: another split of the source (e.g. test of a DatasetDict); for synth:<task>, "
         "any name gives the same task from another seed. Empty = none (TRL: eval_dataset).",

@@ -214,7 +214,7 @@ def _read_csv(file: Path, offset: int, roots: Roots, limit: int | None) -> tuple
                     continue  # counted, not kept
                 index = offset + len(rows)
                 if None in record:  # more cells than the header has columns
-                    extra, columns = len(record[None]), len(reader.fieldnames or [])  # type: ignore[index]
+                    extra, columns = len(record[None]), len(reader.fieldnames or [])
                     problem = (
                         f"{file.name} line {reader.line_num}: {extra} cell(s) more than the header's {columns} columns"
                     )

@@ -106,10 +106,10 @@ class RowMapping:
     def _image_refs(self, row: int, data: dict[str, Any]) -> list[Any]:
         if self.image_columns is None:
             if data.get(IMAGES_COLUMN) is not None:
-                refs = data[IMAGES_COLUMN]
-                if not isinstance(refs, (list, tuple)):
-                    raise RowError(row, f"'images' must be a list, got {type(refs).__name__}")
-                return list(refs)
+                listed = data[IMAGES_COLUMN]
+                if not isinstance(listed, (list, tuple)):
+                    raise RowError(row, f"'images' must be a list, got {type(listed).__name__}")
+                return list(listed)
             return [data[IMAGE_COLUMN]] if data.get(IMAGE_COLUMN) is not None else []
         refs: list[Any] = []
         for column in self.image_columns:
@@ -255,7 +255,11 @@ def guess_columns(names: list[str]) -> dict[str, Any]:
             guess[key] = found
     if not any(c in lower for c in GUESSES["images"]):
         numbered = sorted(
-            (name for name in names if name.lower().startswith(("image_", "img_")) and name.rsplit("_", 1)[1].isdigit()),
+            (
+                name
+                for name in names
+                if name.lower().startswith(("image_", "img_")) and name.rsplit("_", 1)[1].isdigit()
+            ),
             key=lambda name: int(name.rsplit("_", 1)[1]),
         )
         if numbered:
