@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job, from a fresh machine: set up, start `collage serve` (web app, API, one embedded worker; SQLite
 # store and broker in out/demo-home) and submit the GRPO demo run (tiny Qwen2-VL on synthetic multi-image
-# count-red, CPU). The run is training within a minute; its progress shows here until it ends; the server keeps
-# running for you to explore until Ctrl-C.
+# count-red, CPU; held-out accuracy from 0.00 at step 0 to about 0.7 in 1,500 steps, docs/demo.md). The run is
+# training within a minute and ends in about 2.5 minutes; its progress shows here; the server keeps running
+# for you to explore until Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
