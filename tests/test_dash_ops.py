@@ -355,8 +355,11 @@ def test_launch_maps_a_datasets_own_columns_and_shows_the_rendered_prompts(page,
     page.wait_for_selector(".reward")
     page.fill('[name="dataset.source"]', str(folder))
     page.click("#preview-btn")
-    wait_js(page, "!!document.querySelector('#preview').dataset.done", timeout=90_000)
-    wait_js(page, "!!document.querySelector('#preview').dataset.live", timeout=30_000)  # re-rendered with the guess
+    # the guess fills the dropdowns, and Preview and check run again with it: every row usable
+    wait_js(page, "document.querySelector('#map-prompt').value === 'question'", timeout=90_000)
+    wait_js(page, "!!document.querySelector('#preview').dataset.done && "
+                  "document.querySelector('#preview .preview-report').innerText.includes('6 rows, 0 bad')",
+            timeout=90_000)  # fmt: skip
     assert page.input_value("#map-prompt") == "question" and page.input_value("#map-answer") == "solution"
     chosen = page.evaluate("[...document.querySelector('#map-images').selectedOptions].map(o => o.value)")
     assert chosen == ["image_1", "image_2"]

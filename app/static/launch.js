@@ -93,7 +93,8 @@
     form.querySelector(".field.invalid input, .field.invalid select")?.focus();
   }
 
-  let previewSeq = 0;
+  let previewSeq = 0;  // the newest Preview and check
+  let rowsSeq = 0;  // the newest rows request (a Preview's, or a live re-render after a mapping change)
   let mappingTouched = false;  // once the user picks a column, Preview's guess no longer changes the mapping
   const mapSelects = [...form.querySelectorAll("select[data-column]")];
 
@@ -133,17 +134,18 @@
   }
 
   function loadRows(seq, rowsBox, source, c, synth) {
+    // seq: this request's rowsSeq; an older answer than the newest request is dropped
     return api("/datasets/preview", { params: {
       source, split: c.dataset.split, rows: 5, ...mappingParams(c),
       ...(synth ? { dataset_rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed } : {}),
     } }).then(data => {
-      if (seq !== previewSeq) return null;
+      if (seq !== rowsSeq) return null;
       const total = data.total_rows === null || data.total_rows === undefined ? "" : ` of ${data.total_rows}`;
       rowsBox.replaceChildren(el("h3", { text: `First ${data.rows.length} rows${total}` }),
         // where the preview stopped early (its image or byte budget) and why, said above the rows it did show
         ...(data.note ? [el("p", { class: "preview-note muted", text: data.note })] : []), previewRows(data.rows));
       return data;
-    }, err => { if (seq === previewSeq) rowsBox.replaceChildren(el("p", { class: "error", text: errorText(err) })); return null; });
+    }, err => { if (seq === rowsSeq) rowsBox.replaceChildren(el("p", { class: "error", text: errorText(err) })); return null; });
   }
 
   let liveTimer = null;
@@ -154,9 +156,9 @@
       const rowsBox = document.querySelector("#preview .preview-rows-box");
       if (!rowsBox) return;
       const source = form.querySelector('[name="dataset.source"]').value.trim();
-      const seq = ++previewSeq;
+      const seq = ++rowsSeq;  // the check of a Preview still running is kept: only the rows are asked again
       loadRows(seq, rowsBox, source, config(), source.startsWith("synth:")).then(() => {
-        if (seq === previewSeq) document.getElementById("preview").dataset.live = String(seq);
+        if (seq === rowsSeq) document.getElementById("preview").dataset.live = String(seq);
       });
     }, 300);
   }
@@ -190,13 +192,13 @@
     box.setAttribute("aria-busy", "true");
     box.replaceChildren(progress.node, reportBox, rowsBox);
     button.disabled = true;
-    const rowsDone = loadRows(seq, rowsBox, source, c, synth).then(data => {
+    const rowsDone = loadRows(++rowsSeq, rowsBox, source, c, synth).then(data => {
       if (!data) return;
       setColumnChoices(data.column_names);
-      // the guess replaces the defaults until the user picks a column; the rows are shown again as it maps them
+      // the guess replaces the defaults until the user picks a column; Preview and check run again with it
       if (!mappingTouched && !c.dataset.columns && Object.keys(data.guess || {}).length) {
         setColumnChoices(data.column_names, data.guess);
-        livePreview();
+        setTimeout(preview, 0);
       }
     });
     const checkDone = api("/datasets/check", { method: "POST", body: {

@@ -118,7 +118,9 @@ def _synthetic(
     seed = synth_eval_seed(settings.seed, split)
     rows = min(settings.rows, max_rows) if max_rows is not None else settings.rows
     options: dict[str, Any] = dict(rows=rows, min_images=settings.min_images, max_images=settings.max_images, seed=seed)
-    generated = load_dataset(source, split, **options)
+    from .mapping import RowMapping
+
+    generated = load_dataset(source, split, mapping=RowMapping.of(settings), **options)
     seen = {content_key(raw) for raw in train.rows}
     kept = [p for p, raw in enumerate(generated.rows) if content_key(raw) not in seen]
     dropped = [raw.row for raw in generated.rows if content_key(raw) in seen]
