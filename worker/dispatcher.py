@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -18,20 +19,26 @@ class CeleryDispatcher:
         self.settings = settings
         self.engine = engine
         self.celery = make_celery(settings)
+        # one broker conversation at a time per web process: kombu's virtual transports (the embedded SQLite
+        # broker) keep channel state that threads should not share. A publish once failed in CI with "'NoneType'
+        # object has no attribute 'client'" while other request threads (GET /health) used the broker too
+        self._broker = threading.Lock()
 
     def submit(self, run_id: str, queue: str) -> None:
         # retry publishing through a short broker outage; past that the API marks the run failed (503)
-        self.celery.send_task(
-            TASK_NAME, args=[run_id], queue=queue, retry=True,
-            retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
-        )  # fmt: skip
+        with self._broker:
+            self.celery.send_task(
+                TASK_NAME, args=[run_id], queue=queue, retry=True,
+                retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
+            )  # fmt: skip
 
     def submit_job(self, job_id: str, queue: str) -> None:
         # on the queue's jobs queue (app.store.jobs.broker_queue): a worker of `queue` takes both kinds of message
-        self.celery.send_task(
-            JOB_TASK_NAME, args=[job_id], queue=broker_queue(queue), retry=True,
-            retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
-        )  # fmt: skip
+        with self._broker:
+            self.celery.send_task(
+                JOB_TASK_NAME, args=[job_id], queue=broker_queue(queue), retry=True,
+                retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
+            )  # fmt: skip
 
     def cancel(self, run_id: str) -> None:
         """Nothing to send: the run's status is now ``cancelling`` in the store, which its training process
@@ -41,7 +48,7 @@ class CeleryDispatcher:
         url = self.settings.broker_url
         safe = url.split("@")[-1] if "@" in url else url
         try:
-            with self.celery.connection_for_write() as connection:
+            with self._broker, self.celery.connection_for_write() as connection:
                 connection.ensure_connection(max_retries=1, timeout=2)
             broker = {"ok": True, "url": safe}
         except Exception as exc:  # noqa: BLE001
