@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from collage.app.settings import Settings
 from collage.app.store.jobs import broker_queue
 
 from .celery_app import JOB_TASK_NAME, TASK_NAME, make_celery
 from .registry import live_workers
+
+PUBLISH_ATTEMPTS = 4
 
 
 class CeleryDispatcher:
@@ -26,19 +30,30 @@ class CeleryDispatcher:
 
     def submit(self, run_id: str, queue: str) -> None:
         # retry publishing through a short broker outage; past that the API marks the run failed (503)
-        with self._broker:
-            self.celery.send_task(
-                TASK_NAME, args=[run_id], queue=queue, retry=True,
-                retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
-            )  # fmt: skip
+        self._publish(TASK_NAME, run_id, queue)
 
     def submit_job(self, job_id: str, queue: str) -> None:
         # on the queue's jobs queue (app.store.jobs.broker_queue): a worker of `queue` takes both kinds of message
-        with self._broker:
-            self.celery.send_task(
-                JOB_TASK_NAME, args=[job_id], queue=broker_queue(queue), retry=True,
-                retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
-            )  # fmt: skip
+        self._publish(JOB_TASK_NAME, job_id, broker_queue(queue))
+
+    def _publish(self, task: str, arg: str, queue: str) -> None:
+        """``send_task`` with Celery's retry through connection errors, and a few more tries through the embedded
+        SQLite broker's races with other processes: a worker declaring the same queue at the same moment
+        (``UNIQUE constraint failed: kombu_queue.name``: nothing was published; the retry's first look finds the
+        queue the other process made) or holding the file's lock (tests/test_dispatch_race.py)."""
+        for attempt in range(PUBLISH_ATTEMPTS):
+            with self._broker:
+                try:
+                    self.celery.send_task(
+                        task, args=[arg], queue=queue, retry=True,
+                        retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5,
+                                      "interval_max": 2},
+                    )  # fmt: skip
+                    return
+                except (IntegrityError, OperationalError):
+                    if attempt == PUBLISH_ATTEMPTS - 1:
+                        raise
+            time.sleep(0.2 * (attempt + 1))
 
     def cancel(self, run_id: str) -> None:
         """Nothing to send: the run's status is now ``cancelling`` in the store, which its training process
