@@ -45,3 +45,28 @@ def test_a_publish_that_races_a_worker_declaring_its_queue_is_sent_once(tmp_path
     assert _messages(str(broker), "racy") == 1
     dispatcher.submit("run-2", "racy")  # and the dispatcher keeps working
     assert _messages(str(broker), "racy") == 2
+
+
+def test_a_worker_declaring_its_queues_while_the_web_process_makes_one_starts_anyway(tmp_path):
+    from collage.worker.celery_app import declare_embedded_queues, make_celery
+
+    broker = tmp_path / "broker.db"
+    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'store.db'}",
+                        broker_url=f"sqla+sqlite:///{broker}", artifacts=tmp_path / "artifacts")  # fmt: skip
+    raced: list[str] = []
+
+    def the_web_process_declares_first(conn, cursor, statement, parameters, context, executemany):
+        if statement.startswith("INSERT INTO kombu_queue") and not raced:
+            raced.append(statement)
+            with sqlite3.connect(broker) as other:
+                other.execute("INSERT INTO kombu_queue (name) VALUES (?)", (parameters[0],))
+
+    event.listen(Engine, "before_cursor_execute", the_web_process_declares_first)
+    try:
+        declare_embedded_queues(make_celery(settings), settings.broker_url, ["default", "default.jobs"])
+    finally:
+        event.remove(Engine, "before_cursor_execute", the_web_process_declares_first)
+    assert raced
+    with sqlite3.connect(broker) as db:
+        names = sorted(row[0] for row in db.execute("SELECT name FROM kombu_queue"))
+    assert names == ["default", "default.jobs"]

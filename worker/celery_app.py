@@ -58,3 +58,27 @@ def make_celery(settings: Settings | None = None) -> Celery:
 
 
 celery_app = make_celery()
+
+
+def declare_embedded_queues(app: Celery, url: str, names: list[str], attempts: int = 5) -> None:
+    """On the embedded SQLite broker (``sqla+``), make each queue's row before Celery's consumer starts, trying
+    again through the race with another process making the same row (kombu's look-then-insert is not safe across
+    processes: ``UNIQUE constraint failed: kombu_queue.name`` stopped a worker of `collage serve` whose web
+    process published its first run at the same moment). Each try has a fresh connection. Other brokers are left
+    to Celery (declaring a queue here with other options than Celery's would conflict on RabbitMQ)."""
+    if not url.startswith("sqla+"):
+        return
+    import time
+
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    for name in names:
+        for attempt in range(attempts):
+            try:
+                with app.connection_for_write() as connection:
+                    connection.default_channel.queue_declare(queue=name)
+                break
+            except (IntegrityError, OperationalError):
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.2 * (attempt + 1))

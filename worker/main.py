@@ -51,7 +51,7 @@ def run_worker(
     engine = engine_for(settings.database_url)
     check_migrated(engine)
     from . import tasks
-    from .celery_app import celery_app
+    from .celery_app import celery_app, declare_embedded_queues
     from .queueing import Reconciler
     from .reaper import Reaper
     from .registry import Registration
@@ -84,6 +84,7 @@ def run_worker(
     consumed = [*queues, *(broker_queue(q) for q in queues)]
     log.info("worker %s: queues %s, GPU slot %s", name, ",".join(queues), gpus or "CPU")
     try:
+        declare_embedded_queues(celery_app, settings.broker_url, consumed)
         celery_app.worker_main(
             (["--quiet"] if quiet else [])  # a global option of Celery's command line: before "worker"
             + ["worker", "--pool", "solo", "--concurrency", "1", "--queues", ",".join(consumed), "--hostname", name,

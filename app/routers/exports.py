@@ -10,6 +10,7 @@ on disk (``app/store/exports.py``). Only the token that asked, or an admin, canc
 
 from __future__ import annotations
 
+import threading
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Request, Response
@@ -102,12 +103,16 @@ def create_export(
               "adapter to merge"}],
         )  # fmt: skip
     engine = request.app.state.engine
-    busy = store.first_in_flight(engine, token.id) if token.id is not None else None
-    if busy is not None:
-        raise _one_at_a_time(busy)
     queue = queue_of(run.config)
     request_json = {"run_id": run.id, "step": entry.step, "asked": asked.step, "merge_lora": asked.merge_lora}
-    job = jobs.create_job(engine, JobKind.EXPORT, queue, request_json, run_id=run.id, created_by=token)
+    # one request of a web process at a time from the look to the new job: two threads could otherwise each see
+    # no export in flight, and the one whose timestamp is older but inserted later would also win the recheck.
+    # Across web processes the recheck below decides (the oldest job stays, a newer one gives way)
+    with _EXPORT_ADMISSION:
+        busy = store.first_in_flight(engine, token.id) if token.id is not None else None
+        if busy is not None:
+            raise _one_at_a_time(busy)
+        job = jobs.create_job(engine, JobKind.EXPORT, queue, request_json, run_id=run.id, created_by=token)
     first = store.first_in_flight(engine, token.id) if token.id is not None else job
     if first is not None and first.id != job.id:  # another request of this token won the race: this one gives way
         jobs.cancel_job(engine, job.id)
@@ -119,6 +124,9 @@ def create_export(
         raise HTTPException(503, f"the export could not be queued: {exc}") from exc
     response.headers["Location"] = export_url(job.id)
     return ExportCreated(id=job.id, url=export_url(job.id))
+
+
+_EXPORT_ADMISSION = threading.Lock()
 
 
 def _one_at_a_time(busy: Job) -> HTTPException:

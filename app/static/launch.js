@@ -95,6 +95,7 @@
 
   let previewSeq = 0;  // the newest Preview and check
   let rowsSeq = 0;  // the newest rows request (a Preview's, or a live re-render after a mapping change)
+  let rerunWithGuess = false;  // Preview guessed a mapping: run it again with it when it ends
   let mappingTouched = false;  // once the user picks a column, Preview's guess no longer changes the mapping
   const mapSelects = [...form.querySelectorAll("select[data-column]")];
 
@@ -195,10 +196,11 @@
     const rowsDone = loadRows(++rowsSeq, rowsBox, source, c, synth).then(data => {
       if (!data) return;
       setColumnChoices(data.column_names);
-      // the guess replaces the defaults until the user picks a column; Preview and check run again with it
+      // the guess replaces the defaults until the user picks a column; Preview and check run again with it once
+      // this check has answered (two at once would pass the server's dataset requests per user)
       if (!mappingTouched && !c.dataset.columns && Object.keys(data.guess || {}).length) {
         setColumnChoices(data.column_names, data.guess);
-        setTimeout(preview, 0);
+        rerunWithGuess = true;
       }
     });
     const checkDone = api("/datasets/check", { method: "POST", body: {
@@ -219,6 +221,7 @@
     box.removeAttribute("aria-busy");
     box.dataset.done = String(seq);
     button.disabled = false;
+    if (rerunWithGuess) { rerunWithGuess = false; preview(); }
   }
 
   function enlarge(image) {
