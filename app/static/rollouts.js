@@ -26,6 +26,7 @@
   const groupView = document.getElementById("group-view");
   const tableBox = document.getElementById("table-box");
   let cursor = null, shown = 0, lastGroup = null, seq = 0;
+  let rowsPending = false;  // a new filter's first page is on its way: the rows on screen are not its rows
   let newestStep = 0;  // the newest step with rollout rows the page knows of
   let loadedTop = 0;   // ... and the newest one when the table was last loaded from the first page
   let group = null;    // {step, group} while the group view is open
@@ -183,7 +184,9 @@
   function showCount() {
     if (failed) return;  // the filters are refused: no count under the error
     const of = total === null ? "" : total.capped ? ` of more than ${total.cap.toLocaleString("en")}` : ` of ${total.count.toLocaleString("en")}`;
-    count.textContent = `${shown.toLocaleString("en")}${of} rows shown` + (cursor && total === null ? " (more on the server)" : "");
+    // the count can answer before the rows: never claim "0 of 12 rows shown" while they load
+    count.textContent = rowsPending ? "Loading rows…"
+      : `${shown.toLocaleString("en")}${of} rows shown` + (cursor && total === null ? " (more on the server)" : "");
     totalBox.textContent = total === null ? "" : total.capped ? `More than ${total.cap.toLocaleString("en")} rows match`
       : `${total.count.toLocaleString("en")} row${total.count === 1 ? "" : "s"} match`;
     totalBox.dataset.count = total === null ? "" : String(total.count);
@@ -193,7 +196,7 @@
   async function load(append = false) {
     const mine = ++seq;
     const query = params();
-    if (!append) { writeUrl(); showSplit(); }
+    if (!append) { writeUrl(); showSplit(); rowsPending = true; }
     let page;
     if (!append) { const { sort, ...filters } = query; loadTotal(filters); }  // a count has no order
     try {
@@ -202,6 +205,7 @@
       if (mine !== seq) return;
       clearErrors();
       failed = true;
+      rowsPending = false;
       // no stale rows or count under an error: the table shows nothing until the filters are valid again
       body.replaceChildren();
       cursor = null; shown = 0; lastGroup = null;
@@ -229,6 +233,7 @@
       body.append(sampleRow(s));
     }
     shown += page.items.length;
+    if (!append) rowsPending = false;
     showCount();
   }
 
