@@ -154,6 +154,10 @@ def template_fields(template: str) -> list[str]:
     return fields
 
 
+CHECK_SAMPLE_ROWS = 2_000  # dataset.check: sample checks this many rows before training
+AUTO_FULL_CHECK_ROWS = 100_000  # dataset.check: auto checks every row of a split up to this size
+
+
 class DatasetSettings(_Strict):
     source: str = Field("synth:count-red", min_length=1, max_length=500)
     split: str = Field("train", min_length=1, max_length=100)
@@ -167,6 +171,10 @@ class DatasetSettings(_Strict):
     # a row `collage data check` refuses (a corrupt image, a malformed line): skip: named in a warning event and
     # left out, the others used (a split with no usable row still fails); fail: the run fails before training
     bad_rows: Literal["skip", "fail"] = "skip"
+    # the data check before training (docs/data.md, Large datasets). full: every row, cached per dataset fingerprint;
+    # sample: a seeded sample of CHECK_SAMPLE_ROWS rows before training and every other row when a batch draws it
+    # (a bad row drawn is skipped, or fails the run, as bad_rows says); auto: full up to AUTO_FULL_CHECK_ROWS rows
+    check: Literal["auto", "full", "sample"] = "auto"
     rows: int = Field(256, gt=0, le=ROWS_MAX)
     min_images: int = Field(0, ge=0, le=IMAGES_MAX)
     max_images: int = Field(3, ge=0, le=IMAGES_MAX)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import random
 import time
 import traceback
 from collections.abc import Sequence
@@ -45,11 +46,13 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .config import RunConfig, TrainSettings
+from .config import AUTO_FULL_CHECK_ROWS, CHECK_SAMPLE_ROWS, RunConfig, TrainSettings
+from .data.check import check_sample
 from .data.heldout import HeldOut, load_heldout, training_rows
 from .data.loader import DatasetError, LoadedDataset, load_dataset
 from .data.mapping import RowMapping
-from .data.rows import Sample, image_source
+from .data.rows import RowError, Sample, image_source
+from .data.rowsource import RowView, row_ids
 from .errors import CollageError
 from .evaluation import ScoredCompletion, eval_metric_keys, eval_metrics, weighted_reward
 from .generation import Sampling
@@ -57,6 +60,8 @@ from .generation import backend as generation_backend
 from .modeling import prepare_policy, reference_model, trainable_vision_params
 from .models.loading import load_model, load_processor
 from .rewards import Reward, RewardBatch, RewardError, resolve_reward, score
+
+MAX_REDRAWS = 100  # a drawn row that fails its check is replaced; this many bad in a row stops the run
 
 
 class TrainingError(CollageError, RuntimeError):
@@ -136,7 +141,10 @@ class Trainer:
         self.resume = resume
         if resume and self.out is None:
             raise TrainingError("resume needs the output folder that holds the checkpoints")
-        self._perm: tuple[int, list[int]] = (-1, [])  # (epoch, that epoch's permutation of row indices)
+        self._perm: tuple[int, torch.Tensor] = (
+            -1,
+            torch.zeros(0, dtype=torch.long),
+        )  # (epoch, that epoch's permutation of row indices)
         self.ready = False
         # warnings found during set-up, reported once the callbacks' run has started (on_start)
         self._pending_events: list[tuple[str, str]] = []
@@ -270,35 +278,55 @@ class Trainer:
         return heldout
 
     def _validate_rows(self, split: LoadedDataset) -> None:
-        """The checks of ``collage data check``, on every row (the held-out ones too), before any compute is spent.
-        The result is cached per dataset fingerprint (see :mod:`training.data.check`), so a start or resume on an
-        unchanged dataset does not decode and encode every row again."""
-        from .data.check import cached_check
+        """The checks of ``collage data check`` before any compute is spent: on every row (``dataset.check: full``,
+        cached per dataset fingerprint, so a start or resume on an unchanged dataset does not decode and encode
+        every row again), or on a seeded sample of the split (``sample``: every other row is checked when a batch
+        draws it, see :meth:`_drawn`)."""
+        from .data.check import cached_check, run_check
 
-        cfg = self.config
-        report = cached_check(split, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)
+        cfg, d = self.config, self.config.dataset
+        full = d.check == "full" or (d.check == "auto" and len(split) <= AUTO_FULL_CHECK_ROWS)
+        self.draw_check = not full
+        self.bad_drawn: set[int] = set()  # rows found bad when drawn (sample check)
+        self._draw_warnings: list[str] = []
+        if full:
+            checked = split
+            report = cached_check(split, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)
+            scope = f"{len(split)} rows"
+        else:
+            positions = check_sample(len(split), CHECK_SAMPLE_ROWS, d.seed)
+            checked = LoadedDataset(split.source, split.split, RowView(split.rows, positions), split.files,
+                                    split.roots, None, split.mapping)  # fmt: skip
+            report = run_check(checked, cfg.model.path, cfg.train.max_prompt_length, self.encoder)
+            scope = (
+                f"a sample of {len(checked)} of {len(split)} rows (dataset.check: {d.check}; the others are checked "
+                "when drawn)"
+            )
         bad = report.errors
-        if bad and (cfg.dataset.bad_rows == "fail" or len(bad) == len(split)):
-            why = "no row is usable" if len(bad) == len(split) else "dataset.bad_rows: fail"
-            message = f"dataset {split.source}: {len(bad)} of {len(split)} rows fail `collage data check` ({why})"
+        if bad and (d.bad_rows == "fail" or len(bad) == len(checked)):
+            why = "no row is usable" if len(bad) == len(checked) else "dataset.bad_rows: fail"
+            message = f"dataset {split.source}: {len(bad)} of {scope} fail `collage data check` ({why})"
             raise TrainingError(str(DatasetError(message, bad)))
         skipped = {error.row for error in bad}
-        good = [raw.row for raw in split.rows if raw.row not in skipped]
+        good = [r for r in map(int, row_ids(checked.rows)) if r not in skipped]
         counts = dict(zip(good, report.images_per_row, strict=True))
+        self.checked_ids = set(good)  # rows a batch may draw without checking them again
         if bad:  # dataset.bad_rows: skip: the others are used, and each skipped row is named
             self.dataset = training_rows(self.dataset, sorted(skipped))
+            self.bad_drawn |= skipped
             shown = "; ".join(str(error) for error in bad[:20]) + ("; ..." if len(bad) > 20 else "")
             self._pending_events.append(
                 (
                     "warning",
-                    f"dataset {split.source}: {len(bad)} of {len(split)} rows skipped (dataset.bad_rows: "
+                    f"dataset {split.source}: {len(bad)} of {scope} skipped (dataset.bad_rows: "
                     f"skip; `collage data check` lists them all): {shown}",
                 )  # fmt: skip
             )
-        self.images_per_row: list[int] = [counts[raw.row] for raw in self.dataset.rows]
+        # the image count of each checked training row (every training row after a full check)
+        self.images_per_row: list[int] = [counts[r] for r in map(int, row_ids(self.dataset.rows)) if r in counts]
         self.eval_images_per_row: list[int] = []
         if self.heldout is not None:
-            self.eval_images_per_row = self._validate_heldout(self.heldout, counts)
+            self.eval_images_per_row = self._validate_heldout(self.heldout, counts, skipped)
         needed = self.config.train.generation_batch_size // self.config.train.num_generations * 1
         if len(self.dataset) < needed:
             held = f" once the {len(split) - len(self.dataset)} held-out rows are taken out" if self.heldout else ""
@@ -306,17 +334,30 @@ class Trainer:
                 f"dataset: {len(self.dataset)} rows{held}, fewer than the {needed} prompts one generation needs"
             )
 
-    def _validate_heldout(self, heldout: HeldOut, counts: dict[int, int]) -> list[int]:
-        """The data check on the held-out rows (eval_fraction's were checked with the split); their image counts."""
-        from .data.check import cached_check
+    def _validate_heldout(self, heldout: HeldOut, counts: dict[int, int], bad: set[int]) -> list[int]:
+        """The data check on the evaluated held-out rows (eval_fraction's were checked with the split when the check
+        covered it); their image counts. Held-out rows are never skipped: the evaluation would measure other rows
+        than it says."""
+        from .data.check import cached_check, run_check
 
-        if heldout.held_rows is not None:
-            unusable = [raw.row for raw in heldout.rows if raw.row not in counts]
-            if unusable:  # held-out rows are never skipped: the evaluation would measure other rows than it says
-                rows = ", ".join(map(str, unusable[:20]))
-                raise TrainingError(f"{heldout.key}: held-out rows fail `collage data check` (rows {rows})")
-            return [counts[raw.row] for raw in heldout.rows]
         cfg = self.config
+        if heldout.held_rows is not None:
+            ids = heldout.row_ids
+            if all(r in counts or r in bad for r in ids):
+                unusable = [r for r in ids if r not in counts]
+                if unusable:
+                    rows = ", ".join(map(str, unusable[:20]))
+                    raise TrainingError(f"{heldout.key}: held-out rows fail `collage data check` (rows {rows})")
+                return [counts[r] for r in ids]
+            evaluated = LoadedDataset(heldout.loaded.source, heldout.loaded.split, heldout.rows,
+                                      mapping=heldout.loaded.mapping)  # fmt: skip
+            report = run_check(evaluated, cfg.model.path, cfg.train.max_prompt_length, self.encoder)
+            if report.errors:
+                rows = ", ".join(str(e.row) for e in report.errors[:20])
+                raise TrainingError(
+                    f"{heldout.key}: held-out rows fail `collage data check` (rows {rows}): {report.errors[0]}"
+                )
+            return report.images_per_row
         report = cached_check(heldout.loaded, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)
         if report.errors:
             loaded = heldout.loaded
@@ -396,11 +437,61 @@ class Trainer:
             epoch, offset = divmod(pos, n)
             g = torch.Generator().manual_seed(t.seed * 1_000_003 + epoch)
             if self._perm[0] != epoch:
-                self._perm = (epoch, torch.randperm(n, generator=g).tolist())
-            indices.append(self._perm[1][offset])
-        self.position += total
+                self._perm = (epoch, torch.randperm(n, generator=g))  # a tensor: 8 bytes a row, not a list
+            indices.append(int(self._perm[1][offset]))
+        start, self.position = self.position, self.position + total
         mine = indices[self.rank * per_process : (self.rank + 1) * per_process]
-        return [self.dataset.rows[i].to_sample() for i in mine]
+        return [self._drawn(i, start, slot) for slot, i in enumerate(mine)]
+
+    def _drawn(self, index: int, start: int, slot: int) -> Sample:
+        """The sample of drawn row ``index``. After a sample check, a row the check did not cover is checked now:
+        a bad one fails the run (``dataset.bad_rows: fail``) or is replaced by a row drawn from a stream seeded by
+        ``train.seed``, the batch's position, the process and the slot, so every process keeps its place in the
+        shared order and a resume draws the same replacements."""
+        raw = self.dataset.rows[index]
+        if not self.draw_check:
+            return raw.to_sample()
+        from .data.check import checked_sample
+
+        for attempt in range(1, MAX_REDRAWS + 1):
+            if raw.row in self.checked_ids:
+                return raw.to_sample()
+            if raw.row not in self.bad_drawn:
+                try:
+                    sample, _ = checked_sample(raw, self.encoder)
+                    self.checked_ids.add(raw.row)
+                    return sample
+                except RowError as err:
+                    self._bad_row_drawn(err)
+            seed = f"redraw:{self.config.train.seed}:{start}:{self.rank}:{slot}:{attempt}"
+            raw = self.dataset.rows[random.Random(seed).randrange(len(self.dataset))]
+        raise TrainingError(
+            f"dataset {self.dataset.source}: {MAX_REDRAWS} rows drawn in a row fail `collage data check` "
+            f"({len(self.bad_drawn)} bad rows found so far); run `collage data check` on it"
+        )
+
+    def _bad_row_drawn(self, err: RowError) -> None:
+        source = self.dataset.source
+        if self.config.dataset.bad_rows == "fail":
+            raise TrainingError(
+                f"dataset {source}: a drawn row fails `collage data check` (dataset.bad_rows: fail): {err}"
+            )
+        self.bad_drawn.add(err.row)
+        self._draw_warnings.append(
+            f"dataset {source}: skipped when drawn (dataset.bad_rows: skip), another row taken instead: {err}"
+        )
+
+    def _flush_draw_warnings(self, callbacks: CallbackList) -> None:
+        """The bad rows this step's batches drew, from every process, as warning events."""
+        if not self.draw_check:
+            return
+        warnings, self._draw_warnings = self._draw_warnings, []
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            warnings = gather_object(warnings)
+        for message in warnings:
+            callbacks.on_event("warning", message)
 
     # ------------------------------------------------------- generate + score
     def _scope(self, model: str) -> str | None:
@@ -1101,6 +1192,7 @@ class Trainer:
                     callbacks.on_samples(self.step, all_rows)
                 if evaluation is not None:
                     callbacks.on_samples(self.step, evaluation.rows)  # a call of its own: the store keeps splits apart
+                self._flush_draw_warnings(callbacks)
                 elapsed = time.monotonic() - started
                 callbacks.on_progress(self.step, t.max_steps, elapsed / done_steps)
                 if stopped:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +24,13 @@ from typing import Any
 from ..home import collage_home
 from ..images import ImageRefused, image_file
 from .loader import LoadedDataset, load_dataset
-from .rows import RowError, image_source
+from .rows import RawRow, RowError, Sample, image_source
 
 log = logging.getLogger("collage.training")
 
-# 2: raster formats only, image paths confined to the data roots; 3: column mappings, RGB conversion, bad lines
-CHECK_CACHE_VERSION = 3
+# 2: raster formats only, image paths confined to the data roots; 3: column mappings, RGB conversion, bad lines;
+# 4: the dataset's one mapping in the key (rows are read on demand)
+CHECK_CACHE_VERSION = 4
 LARGE_IMAGE_PIXELS = 4096 * 4096  # an image above this is named in the report with what the model makes of it
 SMALL_FILE = 1 << 20  # data files up to this size are fingerprinted by content, larger ones by size and mtime
 
@@ -99,6 +101,14 @@ def _stats_dict(values: list[int]) -> dict[str, float] | None:
     if not values:
         return None
     return {"min": min(values), "mean": mean(values), "max": max(values)}
+
+
+def check_sample(n: int, k: int, seed: int) -> list[int]:
+    """The rows of an ``n``-row split a sample check covers: ``k`` of them (all when ``n <= k``), drawn by a
+    generator seeded with ``dataset.seed``, in ascending order (read in file order)."""
+    if n <= k:
+        return list(range(n))
+    return sorted(random.Random(f"check:{seed}").sample(range(n), k))
 
 
 def check_dataset(
@@ -182,7 +192,7 @@ def dataset_fingerprint(dataset: LoadedDataset, model: str | None, max_prompt_le
         "model": model,
         "model_files": models,
         "max_prompt_length": max_prompt_length,
-        "mappings": sorted({repr(raw.mapping) for raw in dataset.rows}),
+        "mapping": repr(dataset.mapping),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -277,19 +287,16 @@ def run_check(
 ) -> CheckReport:
     """Decode every row and, with an ``encoder`` (a PromptEncoder), encode its prompt."""
     report = CheckReport(source=dataset.source, rows=len(dataset), model=model, max_prompt_length=max_prompt_length)
-    for done, item in enumerate(dataset.samples(), start=1):
+    for done, raw in enumerate(dataset.rows, start=1):
         if progress is not None:
             progress(done, len(dataset))
-        if isinstance(item, RowError):
-            report.errors.append(item)
+        try:
+            item, encoded = checked_sample(raw, encoder)
+        except RowError as err:
+            report.errors.append(err)
             continue
         tokens = None
-        if encoder is not None:
-            try:
-                encoded = encoder.encode(item)
-            except RowError as err:
-                report.errors.append(err)
-                continue
+        if encoded is not None:
             tokens = encoded.num_image_tokens
             report.image_tokens_per_row.append(encoded.num_image_tokens)
             report.prompt_tokens_per_row.append(len(encoded.input_ids) + encoded.truncated_tokens)
@@ -297,6 +304,13 @@ def run_check(
         report.images_per_row.append(item.num_images)
         _note_images(report, item.row, item.images, tokens)
     return report
+
+
+def checked_sample(raw: RawRow, encoder: Any) -> tuple[Sample, Any]:
+    """The check of one row: its sample and, with an ``encoder`` (a PromptEncoder), its encoded prompt (else
+    None); :class:`RowError` when the row is unusable. The trainer runs it on a drawn row no check covered."""
+    sample = raw.to_sample()
+    return sample, (encoder.encode(sample) if encoder is not None else None)
 
 
 def _note_images(report: CheckReport, row: int, images: list[Any], row_tokens: int | None) -> None:

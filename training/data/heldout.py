@@ -27,6 +27,7 @@ from typing import Any
 from ..config import DatasetSettings
 from .loader import DatasetError, LoadedDataset, load_dataset
 from .rows import RawRow
+from .rowsource import RowView, row_ids
 
 
 @dataclass
@@ -43,8 +44,14 @@ class HeldOut:
     dropped: list[int] = field(default_factory=list)  # synthetic rows left out: equal to a training row
 
     @property
-    def rows(self) -> list[RawRow]:
-        return [self.loaded.rows[p] for p in self.positions]
+    def rows(self) -> RowView:
+        """The evaluated rows, each read when asked for."""
+        return RowView(self.loaded.rows, self.positions)
+
+    @property
+    def row_ids(self) -> list[int]:
+        """The split index of each evaluated row, without reading the rows."""
+        return [int(r) for r in row_ids(self.loaded.rows)[self.positions]] if self.positions else []
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -73,9 +80,12 @@ def content_key(row: RawRow) -> str:
 def training_rows(dataset: LoadedDataset, held: Sequence[int]) -> LoadedDataset:
     """``dataset`` without the rows ``held`` (by row index): what the trainer samples from. Rows keep their index
     in the split, so rollout rows and the held-out list name the same rows."""
-    out = set(held)
-    rows = [raw for raw in dataset.rows if raw.row not in out]
-    return LoadedDataset(dataset.source, dataset.split, rows, dataset.files, dataset.roots, dataset.total)
+    import numpy as np
+
+    keep = np.flatnonzero(~np.isin(row_ids(dataset.rows), np.asarray(held, dtype=np.int64)))
+    rows = RowView(dataset.rows, keep)  # positions, not rows: a million-row split stays on disk
+    return LoadedDataset(dataset.source, dataset.split, rows, dataset.files, dataset.roots, dataset.total,
+                         dataset.mapping)  # fmt: skip
 
 
 def load_heldout(

@@ -22,7 +22,6 @@ path the data names, in any format Pillow knows; Collage opens it instead, confi
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import IO, Any
 from ..errors import CollageError
 from ..images import resolve_roots
 from .rows import RawRow, RowError, Sample
+from .rowsource import ArrowRows, ChainRows, JsonlRows, ParquetRows, RowSeq, parse_jsonl_line
 
 Roots = tuple[Path, ...] | None
 
@@ -51,13 +51,16 @@ class DatasetError(CollageError, ValueError):
 class LoadedDataset:
     source: str
     split: str
-    rows: list[RawRow]
+    # a whole split is read on demand (:mod:`training.data.rowsource`): a row is read when asked for, never all
+    # of them at once; a preview's first rows (``limit``) and a CSV split are plain lists
+    rows: Sequence[RawRow]
     # the local files the rows were read from (for the ``data check`` cache's fingerprint); None: not local
     files: list[Path] | None = field(default=None)
     # the resolved folders image paths are confined to (None: unconfined), part of the check's fingerprint
     roots: Roots = None
     # rows in the split when only the first ones were read (``limit``); None: ``rows`` is the whole split
     total: int | None = None
+    mapping: Any = None  # the RowMapping every row is read with (None: TRL's column names)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -100,8 +103,12 @@ def load_dataset(
     ``config_name``: the configuration of a Hub dataset (its snapshot's ``README.md`` ``configs:``)."""
     loaded = _load(source, split, data_roots, limit, config_name, synth_options)
     if mapping is not None:
-        for raw in loaded.rows:
-            raw.mapping = mapping
+        loaded.mapping = mapping
+        if isinstance(loaded.rows, RowSeq):
+            loaded.rows.mapping = mapping  # given to each row as it is read
+        else:
+            for raw in loaded.rows:
+                raw.mapping = mapping
     return loaded
 
 
@@ -118,15 +125,19 @@ def _load(
 
         task = source.removeprefix("synth:")
         if limit is not None:
-            rows, total = synth_rows(task, limit, **synth_options)
-            return LoadedDataset(source, split, rows, total=total)
+            made, count = synth_rows(task, limit, **synth_options)
+            return LoadedDataset(source, split, made, total=count)
         folder = cached_synth_dataset(task, **synth_options)
         # Collage wrote it itself under COLLAGE_HOME/cache: its own folder is the root its rows need, whatever
         # COLLAGE_DATA_ROOTS says
         return _load(str(folder), split, [folder], None, None, {})
     roots = resolve_roots(data_roots)
     path = Path(source).expanduser()
+    rows: Sequence[RawRow]
     if path.is_file():
+        if limit is None:
+            whole = _whole_file(path, roots, 0)
+            return _loaded(source, split, whole, [path], roots, len(whole), limit)
         rows, total = _read_file(path, roots, limit)
         return _loaded(source, split, rows, [path], roots, total, limit)
     if path.is_dir():
@@ -140,20 +151,51 @@ def _load(
             files = snapshot_files(path, split, config_name) or _split_files(path, split)
         except SnapshotError as exc:
             raise DatasetError(str(exc)) from None
-        rows, total = [], 0
+        if limit is None:
+            rows = _whole_split(files, roots)
+            return _loaded(source, split, rows, files, roots, len(rows), limit)
+        first: list[RawRow] = []
+        total = 0
         for file in files:
-            more, count = _read_file(file, roots, None if limit is None else limit - len(rows), offset=len(rows))
-            rows.extend(more)
+            more, count = _read_file(file, roots, limit - len(first), offset=len(first))
+            first.extend(more)
             total += count
-        return _loaded(source, split, rows, files, roots, total, limit)
+        return _loaded(source, split, first, files, roots, total, limit)
     if source.startswith((".", "/", "~")) or path.suffix in (".jsonl", ".parquet", ".json", ".csv"):
         raise DatasetError(f"dataset source {source!r} does not exist")
     rows, total = _read_hub(source, split, roots, limit, config_name)
     return _loaded(source, split, rows, None, roots, total, limit)
 
 
+def _whole_split(files: list[Path], roots: Roots) -> Sequence[RawRow]:
+    """Every row of a split's files, read on demand: parquet shards as one sequence (one row-group cache)."""
+    if all(file.suffix == ".parquet" for file in files):
+        return ParquetRows(files, roots)
+    parts: list[Sequence[RawRow]] = []
+    offset = 0
+    for file in files:
+        part = _whole_file(file, roots, offset)
+        parts.append(part)
+        offset += len(part)
+    return parts[0] if len(parts) == 1 else ChainRows(parts)
+
+
+def _whole_file(file: Path, roots: Roots, offset: int) -> Sequence[RawRow]:
+    if file.suffix in (".jsonl", ".json"):
+        return JsonlRows(file, roots, offset)
+    if file.suffix == ".parquet":
+        return ParquetRows([file], roots, offset)
+    return _read_file(file, roots, None, offset)[0]  # CSV: paths, not bytes; read whole (quoted cells span lines)
+
+
 def _loaded(
-    source: str, split: str, rows: list[RawRow], files: list[Path] | None, roots: Roots, total: int, limit: int | None
+    source: str,
+    split: str,
+    rows: Sequence[RawRow],
+    files: list[Path] | None,
+    roots: Roots,
+    total: int,
+    limit: int | None,
 ) -> LoadedDataset:
     return LoadedDataset(source, split, rows, files, roots, total if limit is not None else None)
 
@@ -185,7 +227,8 @@ def _read_file(file: Path, roots: Roots, limit: int | None, offset: int = 0) -> 
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        parquet = pq.ParquetFile(file)
+        # buffered, not pre-buffered: the first rows of a file whose row group is huge are read page by page
+        parquet = pq.ParquetFile(file, buffer_size=1 << 20, pre_buffer=False)
         total = parquet.metadata.num_rows
         records: list[dict[str, Any]] = []
         wanted = total if limit is None else min(limit, total)
@@ -237,26 +280,7 @@ def _read_jsonl(file: Path, offset: int, roots: Roots, limit: int | None) -> tup
                 return rows, len(rows) + (1 if raw.strip() else 0) + _count_rows(fh)
             if not raw.strip():
                 continue
-            index = offset + len(rows)
-            # a line that cannot be read is a bad row naming its file and line; the other rows are still read
-            where = f"{file.name} line {line_no}"
-            try:
-                data = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                rows.append(RawRow(index, {}, file.parent, roots, problem=f"{where} is not UTF-8 text"))
-                continue
-            except json.JSONDecodeError as exc:
-                problem = f"{where} is not valid JSON ({exc.msg} at column {exc.colno})"
-                rows.append(RawRow(index, {}, file.parent, roots, problem=problem))
-                continue
-            except RecursionError:
-                rows.append(RawRow(index, {}, file.parent, roots, problem=f"{where} is nested too deeply to read"))
-                continue
-            if not isinstance(data, dict):
-                problem = f"{where} is a JSON {type(data).__name__}, not an object"
-                rows.append(RawRow(index, {}, file.parent, roots, problem=problem))
-                continue
-            rows.append(RawRow(index, data, file.parent, roots))
+            rows.append(parse_jsonl_line(raw, file, line_no, offset + len(rows), roots))
     return rows, len(rows)
 
 
@@ -274,20 +298,16 @@ def _count_rows(fh: IO[bytes]) -> int:
     return count + (not blank)
 
 
-def _dataset_rows(loaded: Any, base_dir: Path | None, roots: Roots, limit: int | None) -> tuple[list[RawRow], int]:
+def _dataset_rows(loaded: Any, base_dir: Path | None, roots: Roots, limit: int | None) -> tuple[Sequence[RawRow], int]:
     """The rows of a ``datasets.Dataset`` as plain values, read in its arrow format: ``datasets`` never decodes a
     column (an ``Image`` feature stays ``{bytes, path}``, opened later by Collage, confined and raster-only)."""
-    total = len(loaded)
-    wanted = total if limit is None else min(limit, total)
-    table = loaded.with_format("arrow")
-    rows: list[RawRow] = []
-    for start in range(0, wanted, 1024):
-        for record in table[start : min(wanted, start + 1024)].to_pylist():
-            rows.append(RawRow(len(rows), record, base_dir, roots))
-    return rows, total
+    rows = ArrowRows(loaded, base_dir, roots)
+    if limit is None:
+        return rows, len(rows)
+    return rows[: min(limit, len(rows))], len(rows)
 
 
-def _read_saved(folder: Path, split: str, roots: Roots, limit: int | None) -> tuple[list[RawRow], int]:
+def _read_saved(folder: Path, split: str, roots: Roots, limit: int | None) -> tuple[Sequence[RawRow], int]:
     import datasets
 
     loaded = datasets.load_from_disk(str(folder))
@@ -300,7 +320,7 @@ def _read_saved(folder: Path, split: str, roots: Roots, limit: int | None) -> tu
 
 def _read_hub(
     source: str, split: str, roots: Roots, limit: int | None, config_name: str | None
-) -> tuple[list[RawRow], int]:
+) -> tuple[Sequence[RawRow], int]:
     import datasets
 
     try:

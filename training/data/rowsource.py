@@ -1,0 +1,296 @@
+"""Rows read on demand: a dataset split as a sequence whose rows are read when asked for, never all at once.
+
+A 1,000,000-row parquet file with inline image bytes holds far more than memory; the trainer needs only the few
+rows of each generation batch, in its seeded order. So a split is a :class:`RowSeq`:
+
+- :class:`ParquetRows`: parquet files (one, or the shards of a split), read a row group at a time, with a small
+  cache bounded in bytes. A row group too big for that cache is streamed in small batches up to the row asked for.
+- :class:`JsonlRows`: a JSONL file, indexed once by the byte offset of each line (16 bytes a row), each line read
+  and parsed when asked for; a malformed line is a bad row naming its file and line, as before.
+- :class:`ArrowRows`: a ``datasets`` ``Dataset`` (``save_to_disk`` or the Hub), memory-mapped arrow, sliced a row
+  at a time (never decoded by ``datasets``: see :mod:`training.data.loader`).
+- :class:`ChainRows`: several sequences one after another (a split in shards of different kinds).
+- :class:`RowView`: some rows of another sequence (the training rows once held-out and bad rows are taken out,
+  a check's sample), by position, in a numpy array.
+
+Every row keeps its index in the split (:attr:`RawRow.row`), whatever view it is reached through. What stays in
+memory per row is an integer or two (offsets, positions), never the row.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+import numpy as np
+
+from .rows import RawRow
+
+Roots = tuple[Path, ...] | None
+
+# decoded row groups kept for the next rows: a generation batch draws rows at random, and neighbouring rows of a
+# group are often drawn by the next batches or read in order by a check
+GROUP_CACHE_BYTES = 128 << 20
+STREAM_BATCH = 64  # rows per batch when a row group is too big to hold: streamed up to the row asked for
+
+
+class RowSeq(Sequence[RawRow]):
+    """A split's rows by position. ``mapping`` (a :class:`~training.data.mapping.RowMapping`, set by the loader)
+    is given to every row read."""
+
+    mapping: Any = None
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _get(self, i: int) -> RawRow:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> RawRow: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[RawRow]: ...
+
+    def __getitem__(self, i: int | slice) -> RawRow | list[RawRow]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        k = int(i) + n if int(i) < 0 else int(i)
+        if not 0 <= k < n:
+            raise IndexError(f"row {i} of {n}")
+        raw = self._get(k)
+        if raw.mapping is None:
+            raw.mapping = self.mapping
+        return raw
+
+    def __iter__(self) -> Iterator[RawRow]:
+        for k in range(len(self)):
+            yield self[k]
+
+    def row_ids(self) -> np.ndarray:
+        """The split index of every row, in order (a base sequence: 0..n-1 after its offset)."""
+        raise NotImplementedError
+
+
+def row_ids(rows: Sequence[RawRow]) -> np.ndarray:
+    """The split index of every row of ``rows`` without reading a lazy sequence's rows."""
+    if isinstance(rows, RowSeq):
+        return rows.row_ids()
+    return np.fromiter((raw.row for raw in rows), dtype=np.int64, count=len(rows))
+
+
+class RowView(RowSeq):
+    """The rows of ``base`` at ``positions`` (positions into ``base``, in this order)."""
+
+    def __init__(self, base: Sequence[RawRow], positions: Sequence[int] | np.ndarray):
+        self.base = base
+        self.positions = np.asarray(positions, dtype=np.int64)
+        self.mapping = getattr(base, "mapping", None)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def _get(self, i: int) -> RawRow:
+        return self.base[int(self.positions[i])]
+
+    def row_ids(self) -> np.ndarray:
+        return row_ids(self.base)[self.positions]
+
+
+class ChainRows(RowSeq):
+    """Several sequences one after another; each one's rows already carry their index in the whole split."""
+
+    def __init__(self, parts: Sequence[Sequence[RawRow]]):
+        self.parts = [p for p in parts if len(p)]
+        self.starts = [0]
+        for part in self.parts:
+            self.starts.append(self.starts[-1] + len(part))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def _get(self, i: int) -> RawRow:
+        k = bisect.bisect_right(self.starts, i) - 1
+        raw = self.parts[k][i - self.starts[k]]
+        return raw
+
+    def __iter__(self) -> Iterator[RawRow]:
+        for part in self.parts:
+            for raw in part:
+                if raw.mapping is None:
+                    raw.mapping = self.mapping
+                yield raw
+
+    def row_ids(self) -> np.ndarray:
+        return np.concatenate([row_ids(p) for p in self.parts]) if self.parts else np.zeros(0, dtype=np.int64)
+
+
+class ParquetRows(RowSeq):
+    """The rows of parquet ``files`` (the shards of one split, in order), the first at split index ``offset``.
+    Only each file's metadata is read up front."""
+
+    def __init__(self, files: Sequence[Path], roots: Roots, offset: int = 0):
+        import pyarrow.parquet as pq
+
+        self.files = list(files)
+        self.roots = roots
+        self.offset = offset
+        starts = [0]
+        self._groups: list[tuple[int, int, int]] = []  # (file, row group, uncompressed bytes)
+        for f, file in enumerate(self.files):
+            meta = pq.ParquetFile(file).metadata
+            for g in range(meta.num_row_groups):
+                group = meta.row_group(g)
+                if group.num_rows:
+                    self._groups.append((f, g, group.total_byte_size))
+                    starts.append(starts[-1] + group.num_rows)
+        self._starts = np.asarray(starts, dtype=np.int64)
+        self._cache: OrderedDict[int, Any] = OrderedDict()  # group -> pyarrow Table
+        self._cached_bytes = 0
+        self.group_reads = 0  # row groups read from disk (a test and the benchmark look at it)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def row_ids(self) -> np.ndarray:
+        return np.arange(self.offset, self.offset + len(self), dtype=np.int64)
+
+    def _file(self, f: int) -> Any:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(self.files[f], buffer_size=1 << 20, pre_buffer=False)
+
+    def _get(self, i: int) -> RawRow:
+        g = int(np.searchsorted(self._starts, i, side="right")) - 1
+        k = i - int(self._starts[g])
+        f, group, size = self._groups[g]
+        table = self._cache.get(g)
+        if table is not None:
+            self._cache.move_to_end(g)
+        elif size > GROUP_CACHE_BYTES:  # too big to hold: stream batches up to the row
+            record = self._streamed(f, group, k)
+            return RawRow(self.offset + i, record, self.files[f].parent, self.roots, self.mapping)
+        else:
+            table = self._file(f).read_row_group(group)
+            self.group_reads += 1
+            self._cache[g] = table
+            self._cached_bytes += table.nbytes
+            while self._cached_bytes > GROUP_CACHE_BYTES and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.nbytes
+        record = table.slice(k, 1).to_pylist()[0]
+        return RawRow(self.offset + i, record, self.files[f].parent, self.roots, self.mapping)
+
+    def _streamed(self, f: int, group: int, k: int) -> dict[str, Any]:
+        self.group_reads += 1
+        seen = 0
+        for batch in self._file(f).iter_batches(batch_size=STREAM_BATCH, row_groups=[group]):
+            if k < seen + batch.num_rows:
+                return batch.slice(k - seen, 1).to_pylist()[0]
+            seen += batch.num_rows
+        raise IndexError(f"row {k} of row group {group} of {self.files[f]}")
+
+    def __iter__(self) -> Iterator[RawRow]:
+        """Every row in order, a batch at a time (what a full check reads): memory bounded by one batch."""
+        index = self.offset
+        for f in range(len(self.files)):
+            for batch in self._file(f).iter_batches(batch_size=256):
+                for record in batch.to_pylist():
+                    yield RawRow(index, record, self.files[f].parent, self.roots, self.mapping)
+                    index += 1
+
+
+class JsonlRows(RowSeq):
+    """The rows of a JSONL file, the first at split index ``offset``: blank lines are not rows, and a line that is
+    not a JSON object is a bad row naming the file and line."""
+
+    def __init__(self, file: Path, roots: Roots, offset: int = 0):
+        self.file = file
+        self.roots = roots
+        self.offset = offset
+        offsets, lines = [], []
+        position = 0
+        with file.open("rb") as fh:
+            for line_no, raw in enumerate(fh, start=1):
+                if raw.strip():
+                    offsets.append(position)
+                    lines.append(line_no)
+                position += len(raw)
+        self._offsets = np.asarray(offsets, dtype=np.int64)
+        self._lines = np.asarray(lines, dtype=np.int64)
+        self._fh: Any = None
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def row_ids(self) -> np.ndarray:
+        return np.arange(self.offset, self.offset + len(self), dtype=np.int64)
+
+    def _get(self, i: int) -> RawRow:
+        if self._fh is None or self._fh.closed:
+            self._fh = self.file.open("rb")
+        self._fh.seek(int(self._offsets[i]))
+        return parse_jsonl_line(self._fh.readline(), self.file, int(self._lines[i]), self.offset + i, self.roots)
+
+    def __iter__(self) -> Iterator[RawRow]:
+        with self.file.open("rb") as fh:
+            k = 0
+            for raw in fh:
+                if raw.strip():
+                    row = parse_jsonl_line(raw, self.file, int(self._lines[k]), self.offset + k, self.roots)
+                    row.mapping = self.mapping
+                    yield row
+                    k += 1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fh": None}
+
+
+def parse_jsonl_line(raw: bytes, file: Path, line_no: int, index: int, roots: Roots) -> RawRow:
+    """One JSONL line as a row; a line that cannot be read is a bad row naming its file and line."""
+    where = f"{file.name} line {line_no}"
+    problem = None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        problem = f"{where} is not UTF-8 text"
+    except json.JSONDecodeError as exc:
+        problem = f"{where} is not valid JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        problem = f"{where} is nested too deeply to read"
+    else:
+        if not isinstance(data, dict):
+            problem = f"{where} is a JSON {type(data).__name__}, not an object"
+    if problem is not None:
+        return RawRow(index, {}, file.parent, roots, problem=problem)
+    return RawRow(index, data, file.parent, roots)
+
+
+class ArrowRows(RowSeq):
+    """The rows of a ``datasets.Dataset`` in its arrow format (memory-mapped; ``datasets`` never decodes a column:
+    an ``Image`` feature stays ``{bytes, path}``, opened later by Collage, confined and raster-only)."""
+
+    def __init__(self, dataset: Any, base_dir: Path | None, roots: Roots):
+        self.table = dataset.with_format("arrow")
+        self.base_dir = base_dir
+        self.roots = roots
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def row_ids(self) -> np.ndarray:
+        return np.arange(len(self), dtype=np.int64)
+
+    def _get(self, i: int) -> RawRow:
+        record = self.table[i : i + 1].to_pylist()[0]
+        return RawRow(i, record, self.base_dir, self.roots, self.mapping)
+
+    def __iter__(self) -> Iterator[RawRow]:
+        for start in range(0, len(self), 1024):
+            for k, record in enumerate(self.table[start : start + 1024].to_pylist()):
+                yield RawRow(start + k, record, self.base_dir, self.roots, self.mapping)
