@@ -113,7 +113,8 @@ def _mapping(req: dict[str, Any]) -> Any:
 
 
 def check(req: dict[str, Any]) -> dict[str, Any]:
-    from collage.training.data.check import cached_check
+    from collage.training.config import AUTO_FULL_CHECK_ROWS, CHECK_SAMPLE_ROWS
+    from collage.training.data.check import cached_check, sampled_check
     from collage.training.data.loader import load_dataset
 
     source, split = req["source"], req.get("split", "train")
@@ -133,11 +134,17 @@ def check(req: dict[str, Any]) -> dict[str, Any]:
         processor, family = _processor(model)
         return PromptEncoder(processor, family, max_prompt_length)
 
+    # dataset.check's rule: a split of more than AUTO_FULL_CHECK_ROWS rows is checked by a seeded sample unless
+    # the request says full (the launch form sends the config's dataset.check)
+    mode = req.get("check") or "auto"
+    if mode == "sample" or (mode == "auto" and len(dataset) > AUTO_FULL_CHECK_ROWS):
+        seed = int((req.get("synth") or {}).get("seed") or 0)
+        return sampled_check(dataset, model, max_prompt_length, encoder(), CHECK_SAMPLE_ROWS, seed).to_dict()
     return cached_check(dataset, model, max_prompt_length, encoder).to_dict()
 
 
 # what one preview may read unless the request says less (the web app sends its Settings' bounds)
-PREVIEW_MAX_IMAGES = 320
+PREVIEW_MAX_IMAGES = 800
 PREVIEW_MAX_BYTES = 256 << 20
 
 

@@ -211,6 +211,9 @@ class DatasetCheckRequest(_Request):
     prompt_template: str | None = Field(None, max_length=TEMPLATE_MAX, description="dataset.prompt_template")
     system_prompt: str | None = Field(None, max_length=TEMPLATE_MAX, description="dataset.system_prompt")
     config_name: str | None = Field(None, max_length=200, description="dataset.config_name")
+    check: Literal["auto", "full", "sample"] = Field(
+        "auto", description="dataset.check: auto checks a split of more than 100,000 rows by a seeded sample"
+    )
 
 
 class RowProblem(BaseModel):
@@ -227,7 +230,8 @@ class Stats(BaseModel):
 class DatasetCheckOut(BaseModel):
     source: str
     ok: bool
-    rows: int
+    rows: int = Field(description="rows checked (a sample's rows when sample_of is set)")
+    sample_of: int | None = Field(None, description="a sample check: the rows of the split it was drawn from")
     errors: list[RowProblem]
     images_per_row: Stats | None
     image_tokens_per_row: Stats | None

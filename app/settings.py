@@ -93,7 +93,7 @@ class Settings:
     dataset_queue: int = 8  # dataset requests one web process holds at once, running or waiting for its helper
     preview_timeout: float = 60.0  # seconds a preview may take, waiting included; then its helper work is killed
     check_timeout: float = 600.0  # the same for a check (it reads every row)
-    preview_max_images: int = 320  # images one preview decodes (5 rows of the 64-image maximum)
+    preview_max_images: int = 800  # images one preview decodes (200 rows of four, or 12 rows of the 64-image maximum)
     preview_max_bytes: int = 256 << 20  # bytes of image data one preview reads and decodes
     # seconds a web request waits for a lock on the store (another process's write) before it answers 503
     db_lock_timeout: float = 10.0
@@ -148,7 +148,7 @@ class Settings:
             dataset_queue=int(os.environ.get("COLLAGE_DATASET_QUEUE", 8)),
             preview_timeout=float(os.environ.get("COLLAGE_PREVIEW_TIMEOUT", 60.0)),
             check_timeout=float(os.environ.get("COLLAGE_CHECK_TIMEOUT", 600.0)),
-            preview_max_images=int(os.environ.get("COLLAGE_PREVIEW_MAX_IMAGES", 320)),
+            preview_max_images=int(os.environ.get("COLLAGE_PREVIEW_MAX_IMAGES", 800)),
             preview_max_bytes=int(os.environ.get("COLLAGE_PREVIEW_MAX_BYTES", 256 << 20)),
             db_lock_timeout=float(os.environ.get("COLLAGE_DB_LOCK_TIMEOUT", 10.0)),
             train_nice=_nice(os.environ.get("COLLAGE_TRAIN_NICE")),

@@ -151,7 +151,10 @@ def test_rollouts_show_the_filtered_total_and_fit_1400_px(browser, server, wide)
     context, page = login(browser, server)
     page.goto(f"{server['base']}/runs/{wide}/rollouts")
     # the count and the rows are two requests: either may answer first, and the line never says "0 of 12"
-    wait_js(page, "document.getElementById('total').dataset.count === '12' && document.getElementById('count').textContent !== 'Loading rows…'")
+    wait_js(
+        page,
+        "document.getElementById('total').dataset.count === '12' && document.getElementById('count').textContent !== 'Loading rows…'",
+    )
     assert page.inner_text("#total") == "12 rows match" and page.inner_text("#count") == "12 of 12 rows shown"
     page.select_option('[name="advantage"]', "pos")  # completion 2 of each group: 4 rows
     wait_js(page, "document.getElementById('total').dataset.count === '4'")

@@ -47,12 +47,12 @@ from .checkpoint import (
     set_rng_state,
 )
 from .config import AUTO_FULL_CHECK_ROWS, CHECK_SAMPLE_ROWS, RunConfig, TrainSettings
-from .data.check import check_sample
+from .data.check import sample_view
 from .data.heldout import HeldOut, load_heldout, training_rows
 from .data.loader import DatasetError, LoadedDataset, load_dataset
 from .data.mapping import RowMapping
 from .data.rows import RowError, Sample, image_source
-from .data.rowsource import RowView, row_ids
+from .data.rowsource import row_ids
 from .errors import CollageError
 from .evaluation import ScoredCompletion, eval_metric_keys, eval_metrics, weighted_reward
 from .generation import Sampling
@@ -294,9 +294,7 @@ class Trainer:
             report = cached_check(split, cfg.model.path, cfg.train.max_prompt_length, lambda: self.encoder)
             scope = f"{len(split)} rows"
         else:
-            positions = check_sample(len(split), CHECK_SAMPLE_ROWS, d.seed)
-            checked = LoadedDataset(split.source, split.split, RowView(split.rows, positions), split.files,
-                                    split.roots, None, split.mapping)  # fmt: skip
+            checked = sample_view(split, CHECK_SAMPLE_ROWS, d.seed)
             report = run_check(checked, cfg.model.path, cfg.train.max_prompt_length, self.encoder)
             scope = (
                 f"a sample of {len(checked)} of {len(split)} rows (dataset.check: {d.check}; the others are checked "
@@ -340,9 +338,11 @@ class Trainer:
         than it says."""
         from .data.check import cached_check, run_check
 
-        cfg = self.config
+        cfg, t = self.config, self.config.train
         if heldout.held_rows is not None:
             ids = heldout.row_ids
+            if t.eval_strategy == "no" and not t.eval_on_start and not all(r in counts or r in bad for r in ids):
+                return []  # held out but never evaluated (a sample check): nothing to check them for
             if all(r in counts or r in bad for r in ids):
                 unusable = [r for r in ids if r not in counts]
                 if unusable:

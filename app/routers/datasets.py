@@ -366,6 +366,7 @@ async def check(
         "max_prompt_length": body.max_prompt_length or None,
         "synth": {"rows": body.rows, "min_images": body.min_images, "max_images": body.max_images, "seed": body.seed},
         "data_roots": [str(root) for root in settings.allowed_data_roots()],
+        "check": body.check,
     }
     report = await _run_gated(request, token, job, settings.check_timeout)
     return DatasetCheckOut.model_validate(report)
@@ -381,7 +382,7 @@ async def preview(
     token: Annotated[ApiToken, Depends(require_token)],
     source: Annotated[str, Query(min_length=1, max_length=1000)],
     split: Annotated[str, Query(max_length=100)] = "train",
-    rows: Annotated[int, Query(ge=1, le=50, description="how many rows to show")] = 5,
+    rows: Annotated[int, Query(ge=1, le=200, description="how many rows to show")] = 5,
     dataset_rows: Annotated[
         int, Query(ge=1, le=100_000, description="synth:<task> only: rows of the generated dataset")
     ] = 256,

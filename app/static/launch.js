@@ -208,6 +208,7 @@
       rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed,
       columns: c.dataset.columns, prompt_template: c.dataset.prompt_template || null,
       system_prompt: c.dataset.system_prompt || null, config_name: c.dataset.config_name || null,
+      check: c.dataset.check || "auto",
     } }).then(report => {
       if (seq !== previewSeq) return;
       const parts = [el("p", { class: report.ok ? "ok" : "error", text: report.summary })];

@@ -42,6 +42,11 @@ HELP: dict[str, tuple[str, str]] = {
         "Rows the data check refuses: skip (left out, each named in a warning) or fail (the run fails first).",
         "choice",
     ),
+    "dataset.check": (
+        "The data check before training: full (every row, cached), sample (2,000 rows first, every other row when "
+        "a batch draws it), auto (full up to 100,000 rows).",
+        "choice",
+    ),
     "dataset.eval_split": (
         "Held-out data for evaluation: another split of the source (e.g. test of a DatasetDict); for synth:<task>, "
         "any name gives the same task from another seed. Empty = none (TRL: eval_dataset).",

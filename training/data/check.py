@@ -50,6 +50,7 @@ class CheckReport:
     conversions: dict[str, int] = field(default_factory=dict)
     # very large images: {row, image, width, height, image_tokens (the row's, with a model)}
     large_images: list[dict[str, Any]] = field(default_factory=list)
+    sample_of: int | None = None  # a sample check: the rows of the split it was drawn from (``rows``: the sample's)
 
     @property
     def usable(self) -> int:
@@ -61,6 +62,8 @@ class CheckReport:
 
     def summary(self) -> str:
         parts = [f"{self.rows} rows", f"{len(self.errors)} bad"]
+        if self.sample_of is not None:
+            parts[0] = f"{self.rows} rows (a seeded sample of the {self.sample_of} rows)"
         if self.images_per_row:
             parts.append("images/row " + _stats(self.images_per_row, precision=2))
             parts.append(f"{sum(self.images_per_row)} images")
@@ -89,6 +92,7 @@ class CheckReport:
             "max_prompt_length": self.max_prompt_length,
             "conversions": self.conversions,
             "large_images": self.large_images,
+            "sample_of": self.sample_of,
             "summary": self.summary(),
         }
 
@@ -109,6 +113,22 @@ def check_sample(n: int, k: int, seed: int) -> list[int]:
     if n <= k:
         return list(range(n))
     return sorted(random.Random(f"check:{seed}").sample(range(n), k))
+
+
+def sample_view(dataset: LoadedDataset, k: int, seed: int) -> LoadedDataset:
+    """The rows of ``dataset`` a sample check covers (:func:`check_sample`), read on demand."""
+    from .rowsource import RowView
+
+    rows = RowView(dataset.rows, check_sample(len(dataset), k, seed))
+    return LoadedDataset(dataset.source, dataset.split, rows, dataset.files, dataset.roots, None, dataset.mapping)
+
+
+def sampled_check(dataset: LoadedDataset, model: str | None, max_prompt_length: int | None, encoder: Any,
+                  k: int, seed: int) -> CheckReport:  # fmt: skip
+    """The check of a seeded sample of ``k`` rows (``dataset.check: sample``); never cached (it is quick)."""
+    report = run_check(sample_view(dataset, k, seed), model, max_prompt_length, encoder)
+    report.sample_of = len(dataset)
+    return report
 
 
 def check_dataset(
