@@ -94,6 +94,10 @@ def test_a_parquet_split_is_read_a_row_group_at_a_time(tmp_path):
     kept = training_rows(dataset, [0, 5, 999])
     assert len(kept) == 997 and [raw.row for raw in kept.rows[:6]] == [1, 2, 3, 4, 6, 7]
     assert kept.rows[-1].row == 998 and kept.rows[4].data == whole[6]
+    again = training_rows(kept, [5, 6, 500])  # 5 is out already: a view of a view, by split index
+    assert len(again) == 995 and [raw.row for raw in again.rows[:5]] == [1, 2, 3, 4, 7]
+    assert [raw.row for raw in again.rows] == [r for r in range(1000) if r not in (0, 5, 6, 500, 999)]
+    assert again.rows.row_ids().tolist() == [raw.row for raw in again.rows]
     # the first rows of a preview: read without touching the rest
     first = load_dataset(str(file), limit=3)
     assert [raw.data for raw in first.rows] == whole[:3] and first.total == 1000

@@ -321,7 +321,8 @@ class Trainer:
                 )  # fmt: skip
             )
         # the image count of each checked training row (every training row after a full check)
-        self.images_per_row: list[int] = [counts[r] for r in map(int, row_ids(self.dataset.rows)) if r in counts]
+        held_out = set(self.heldout.held_rows or []) if self.heldout is not None else set()
+        self.images_per_row: list[int] = [n for r, n in counts.items() if r not in held_out]
         self.eval_images_per_row: list[int] = []
         if self.heldout is not None:
             self.eval_images_per_row = self._validate_heldout(self.heldout, counts, skipped)

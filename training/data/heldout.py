@@ -27,7 +27,7 @@ from typing import Any
 from ..config import DatasetSettings
 from .loader import DatasetError, LoadedDataset, load_dataset
 from .rows import RawRow
-from .rowsource import RowView, row_ids
+from .rowsource import ExcludingView, RowView, positions_of, row_ids
 
 
 @dataclass
@@ -80,10 +80,7 @@ def content_key(row: RawRow) -> str:
 def training_rows(dataset: LoadedDataset, held: Sequence[int]) -> LoadedDataset:
     """``dataset`` without the rows ``held`` (by row index): what the trainer samples from. Rows keep their index
     in the split, so rollout rows and the held-out list name the same rows."""
-    import numpy as np
-
-    keep = np.flatnonzero(~np.isin(row_ids(dataset.rows), np.asarray(held, dtype=np.int64)))
-    rows = RowView(dataset.rows, keep)  # positions, not rows: a million-row split stays on disk
+    rows = ExcludingView(dataset.rows, positions_of(dataset.rows, held))  # a million-row split stays on disk
     return LoadedDataset(dataset.source, dataset.split, rows, dataset.files, dataset.roots, dataset.total,
                          dataset.mapping)  # fmt: skip
 

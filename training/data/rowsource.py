@@ -10,8 +10,9 @@ rows of each generation batch, in its seeded order. So a split is a :class:`RowS
 - :class:`ArrowRows`: a ``datasets`` ``Dataset`` (``save_to_disk`` or the Hub), memory-mapped arrow, sliced a row
   at a time (never decoded by ``datasets``: see :mod:`training.data.loader`).
 - :class:`ChainRows`: several sequences one after another (a split in shards of different kinds).
-- :class:`RowView`: some rows of another sequence (the training rows once held-out and bad rows are taken out,
-  a check's sample), by position, in a numpy array.
+- :class:`ExcludingView`: another sequence without some of its rows (the training rows once held-out and bad rows
+  are taken out), costing 8 bytes per row taken out;
+- :class:`RowView`: some rows of another sequence (a check's sample, the evaluated held-out rows), by position.
 
 Every row keeps its index in the split (:attr:`RawRow.row`), whatever view it is reached through. What stays in
 memory per row is an integer or two (offsets, positions), never the row.
@@ -34,7 +35,7 @@ Roots = tuple[Path, ...] | None
 
 # decoded row groups kept for the next rows: a generation batch draws rows at random, and neighbouring rows of a
 # group are often drawn by the next batches or read in order by a check
-GROUP_CACHE_BYTES = 128 << 20
+GROUP_CACHE_BYTES = 32 << 20
 STREAM_BATCH = 64  # rows per batch when a row group is too big to hold: streamed up to the row asked for
 
 
@@ -76,12 +77,73 @@ class RowSeq(Sequence[RawRow]):
         """The split index of every row, in order (a base sequence: 0..n-1 after its offset)."""
         raise NotImplementedError
 
+    def positions_of(self, ids: np.ndarray) -> np.ndarray:
+        """The positions of the rows whose split index is in ``ids`` (sorted, unique); ids not here are left out.
+        This generic one reads every index (a base sequence or an exclusion view knows them without)."""
+        every = self.row_ids()
+        at = np.searchsorted(every, ids)
+        found = (at < len(every)) & (every[np.minimum(at, len(every) - 1)] == ids) if len(every) else at < 0
+        return at[found]
+
+
+class _Contiguous(RowSeq):
+    """A base sequence: its rows are split indices ``offset`` .. ``offset + len - 1``."""
+
+    offset = 0
+
+    def row_ids(self) -> np.ndarray:
+        return np.arange(self.offset, self.offset + len(self), dtype=np.int64)
+
+    def positions_of(self, ids: np.ndarray) -> np.ndarray:
+        at = ids - self.offset
+        return at[(at >= 0) & (at < len(self))]
+
 
 def row_ids(rows: Sequence[RawRow]) -> np.ndarray:
     """The split index of every row of ``rows`` without reading a lazy sequence's rows."""
     if isinstance(rows, RowSeq):
         return rows.row_ids()
     return np.fromiter((raw.row for raw in rows), dtype=np.int64, count=len(rows))
+
+
+def positions_of(rows: Sequence[RawRow], ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The positions in ``rows`` of the rows whose split index is in ``ids`` (those present), ascending."""
+    wanted = np.unique(np.asarray(ids, dtype=np.int64))
+    if isinstance(rows, RowSeq):
+        return rows.positions_of(wanted)
+    where = {raw.row: p for p, raw in enumerate(rows)}
+    return np.asarray(sorted(where[r] for r in wanted.tolist() if r in where), dtype=np.int64)
+
+
+class ExcludingView(RowSeq):
+    """``base`` without the rows at positions ``excluded``: what it keeps costs 8 bytes per excluded row, not per
+    row (the training rows of a million-row split without its held-out and bad rows)."""
+
+    def __init__(self, base: Sequence[RawRow], excluded: Sequence[int] | np.ndarray):
+        self.base = base
+        self.excluded = np.unique(np.asarray(excluded, dtype=np.int64))
+        # the kept rows before each excluded one: position p of the view is base position p + (excluded before it)
+        self._kept_before = self.excluded - np.arange(len(self.excluded), dtype=np.int64)
+        self.mapping = getattr(base, "mapping", None)
+
+    def __len__(self) -> int:
+        return len(self.base) - len(self.excluded)
+
+    def base_position(self, p: int) -> int:
+        return p + int(np.searchsorted(self._kept_before, p, side="right"))
+
+    def _get(self, i: int) -> RawRow:
+        return self.base[self.base_position(i)]
+
+    def row_ids(self) -> np.ndarray:
+        keep = np.ones(len(self.base), dtype=bool)
+        keep[self.excluded] = False
+        return row_ids(self.base)[keep]
+
+    def positions_of(self, ids: np.ndarray) -> np.ndarray:
+        at = positions_of(self.base, ids)
+        at = at[~np.isin(at, self.excluded)]
+        return at - np.searchsorted(self.excluded, at)
 
 
 class RowView(RowSeq):
@@ -99,11 +161,14 @@ class RowView(RowSeq):
         return self.base[int(self.positions[i])]
 
     def row_ids(self) -> np.ndarray:
+        if isinstance(self.base, _Contiguous):
+            return self.base.offset + self.positions
         return row_ids(self.base)[self.positions]
 
 
-class ChainRows(RowSeq):
-    """Several sequences one after another; each one's rows already carry their index in the whole split."""
+class ChainRows(_Contiguous):
+    """Several sequences one after another; each one's rows already carry their index in the whole split (the
+    first part's start at 0)."""
 
     def __init__(self, parts: Sequence[Sequence[RawRow]]):
         self.parts = [p for p in parts if len(p)]
@@ -126,11 +191,8 @@ class ChainRows(RowSeq):
                     raw.mapping = self.mapping
                 yield raw
 
-    def row_ids(self) -> np.ndarray:
-        return np.concatenate([row_ids(p) for p in self.parts]) if self.parts else np.zeros(0, dtype=np.int64)
 
-
-class ParquetRows(RowSeq):
+class ParquetRows(_Contiguous):
     """The rows of parquet ``files`` (the shards of one split, in order), the first at split index ``offset``.
     Only each file's metadata is read up front."""
 
@@ -156,9 +218,6 @@ class ParquetRows(RowSeq):
 
     def __len__(self) -> int:
         return int(self._starts[-1])
-
-    def row_ids(self) -> np.ndarray:
-        return np.arange(self.offset, self.offset + len(self), dtype=np.int64)
 
     def _file(self, f: int) -> Any:
         import pyarrow.parquet as pq
@@ -205,7 +264,7 @@ class ParquetRows(RowSeq):
                     index += 1
 
 
-class JsonlRows(RowSeq):
+class JsonlRows(_Contiguous):
     """The rows of a JSONL file, the first at split index ``offset``: blank lines are not rows, and a line that is
     not a JSON object is a bad row naming the file and line."""
 
@@ -227,9 +286,6 @@ class JsonlRows(RowSeq):
 
     def __len__(self) -> int:
         return len(self._offsets)
-
-    def row_ids(self) -> np.ndarray:
-        return np.arange(self.offset, self.offset + len(self), dtype=np.int64)
 
     def _get(self, i: int) -> RawRow:
         if self._fh is None or self._fh.closed:
@@ -271,7 +327,7 @@ def parse_jsonl_line(raw: bytes, file: Path, line_no: int, index: int, roots: Ro
     return RawRow(index, data, file.parent, roots)
 
 
-class ArrowRows(RowSeq):
+class ArrowRows(_Contiguous):
     """The rows of a ``datasets.Dataset`` in its arrow format (memory-mapped; ``datasets`` never decodes a column:
     an ``Image`` feature stays ``{bytes, path}``, opened later by Collage, confined and raster-only)."""
 
@@ -282,9 +338,6 @@ class ArrowRows(RowSeq):
 
     def __len__(self) -> int:
         return len(self.table)
-
-    def row_ids(self) -> np.ndarray:
-        return np.arange(len(self), dtype=np.int64)
 
     def _get(self, i: int) -> RawRow:
         record = self.table[i : i + 1].to_pylist()[0]
