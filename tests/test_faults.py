@@ -157,3 +157,20 @@ def test_a_store_on_a_full_disk_fails_the_run_naming_it(small_fs, tmp_path):
     assert run.error.startswith("no space left on device: writing to the store " + str(store / "collage.db"))
     assert " free of 24.0 MiB" in run.error and "retrying" not in cluster.logs["w1"].read_text()
     assert run.step < 60
+
+
+def test_a_fixed_copy_on_a_full_disk_is_one_line_and_leaves_nothing(small_fs, tmp_path, capsys):
+    """`collage data check --fix OUT` on a disk that fills up: exit 2, one line naming what could not be written,
+    no traceback, and no half-written copy left behind."""
+    from collage.app.cli import main
+    from collage.training.data.synth import write_synth
+
+    source = write_synth("count-red", tmp_path / "data", rows=60, min_images=2, max_images=3, seed=0, size=112)
+    point = small_fs("16m")
+    fill(point, leave=64 << 10)  # room for a few images, not for 60 rows of them
+    out = point / "fixed"
+    assert main(["data", "check", str(source), "--fix", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"collage: error: --fix {out}: could not write "), err
+    assert "No space left on device" in err[0] and "Traceback" not in err[0]
+    assert not out.exists()

@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,18 @@ def write_fixed(dataset: LoadedDataset, out: Path) -> FixResult:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FixError(f"--fix {out}: the folder exists and is not empty; name a new folder")
-    (out / "images").mkdir(parents=True, exist_ok=True)
     result = FixResult(out / f"{dataset.split}.jsonl")
+    try:
+        _write(dataset, out, result)
+    except OSError as exc:  # a full disk, a read-only folder: one line naming the file, no half-written copy
+        shutil.rmtree(out, ignore_errors=True)  # it was new or empty: everything in it is this copy's
+        where = exc.filename or out
+        raise FixError(f"--fix {out}: could not write {where}: {exc.strerror or exc}") from exc
+    return result
+
+
+def _write(dataset: LoadedDataset, out: Path, result: FixResult) -> None:
+    (out / "images").mkdir(parents=True, exist_ok=True)
     tmp = result.file.with_suffix(f".{os.getpid()}.tmp")
     with tmp.open("w", encoding="utf-8") as fh:
         for item in dataset.samples():
@@ -82,4 +93,3 @@ def write_fixed(dataset: LoadedDataset, out: Path) -> FixResult:
     with (out / "bad_rows.jsonl").open("w", encoding="utf-8") as fh:
         for error in result.bad:
             fh.write(json.dumps({"row": error.row, "message": error.message}, ensure_ascii=False) + "\n")
-    return result
