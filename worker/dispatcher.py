@@ -11,9 +11,9 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 from collage.app.settings import Settings
 from collage.app.store.jobs import broker_queue
+from collage.app.store.workers import live_workers
 
 from .celery_app import JOB_TASK_NAME, TASK_NAME, make_celery
-from .registry import live_workers
 
 PUBLISH_ATTEMPTS = 4
 

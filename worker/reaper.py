@@ -14,9 +14,8 @@ from sqlmodel import Session, col
 from collage.app.models import Run, utcnow
 from collage.app.status import ACTIVE, RunStatus
 from collage.app.store.jobs import reap_jobs
+from collage.app.store.workers import forget_stale
 from collage.app.store.writer import StoreWriter
-
-from .registry import forget_stale
 
 log = logging.getLogger("collage.reaper")
 

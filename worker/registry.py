@@ -12,12 +12,11 @@ import socket
 import subprocess
 import sys
 import threading
-from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col
+from sqlmodel import col
 
 from collage.app.db import session_scope
 from collage.app.models import Worker, table_of, utcnow
@@ -143,21 +142,3 @@ class Registration(threading.Thread):
         self.stopped.set()
         with session_scope(self.engine) as session:
             session.execute(delete(Worker).where(col(Worker.name) == self.name))
-
-
-def live_workers(engine: Engine, within: float) -> list[dict]:
-    cutoff = utcnow() - timedelta(seconds=within)
-    with Session(engine) as session:
-        rows = session.scalars(select(Worker).where(col(Worker.last_seen) >= cutoff).order_by(Worker.name)).all()
-        return [
-            {"name": w.name, "hostname": w.hostname, "pid": w.pid, "queues": w.queues, "gpu_slots": w.gpus,
-             "current_run": w.current_run_id, "last_seen": w.last_seen.isoformat(),
-             "started_at": w.started_at.isoformat(), "gpu_info": w.gpu_info}
-            for w in rows
-        ]  # fmt: skip
-
-
-def forget_stale(engine: Engine, older_than: float) -> None:
-    cutoff = utcnow() - timedelta(seconds=older_than)
-    with session_scope(engine) as session:
-        session.execute(delete(Worker).where(col(Worker.last_seen) < cutoff))

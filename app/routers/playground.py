@@ -289,7 +289,7 @@ def _own_generation(session: Session, job_id: str, token: ApiToken) -> Job:
 def _waiting(request: Request, job: Job, position: int | None) -> str:
     """What a queued generation waits for: a free worker of its queue, the trainings every live worker of its queue
     is running, or a worker to start at all."""
-    from collage.worker.registry import live_workers
+    from collage.app.store.workers import live_workers
 
     from .workers import live_within
 

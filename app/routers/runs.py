@@ -186,7 +186,7 @@ def queue_place(request: Request, session: Session, run: Run) -> tuple[int | Non
 
 def _live_workers_of(request: Request, queue: str) -> list[dict[str, Any]] | None:
     """The live workers that take runs from ``queue``; None when the registry cannot be read."""
-    from collage.worker.registry import live_workers
+    from collage.app.store.workers import live_workers
 
     from .workers import live_within
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from sqlalchemy import select
 from sqlmodel import Session, col
 
-from collage.worker.registry import live_workers
+from collage.app.store.workers import live_workers
 
 from ..auth import UNAUTHORIZED, require_token
 from ..models import Run, utcnow

@@ -127,7 +127,7 @@ def runs_page(request: Request) -> Response:
 def launch_page(request: Request, clone: str | None = None) -> Response:
     if _user(request) is None:
         return _login_redirect(request)
-    from collage.worker.registry import live_workers
+    from collage.app.store.workers import live_workers
 
     from ..routers.datasets import warm_up
     from ..routers.workers import live_within
