@@ -487,6 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--quiet", action="store_true", help="no progress lines")
     export.set_defaults(func=_cmd_export)
 
+    config = commands.add_parser("config", help="the run config's keys").add_subparsers(dest="sub", required=True)
+    explain = config.add_parser("explain", help="what a config key means, its type, default and limits")
+    explain.add_argument("key", nargs="?", metavar="KEY", help="a dotted key (train.loss_type); none: list every key")
+    explain.add_argument("--markdown", action="store_true", help="the key reference table of docs/training.md")
+    explain.set_defaults(func=_cmd_config_explain)
+
     train = commands.add_parser("train", help="run one GRPO/RLOO run in the foreground, no server")
     train.add_argument("config", help="run config (YAML)")
     train.add_argument("--out", help="output folder (default out/<run name>)")
@@ -497,6 +503,24 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=_cmd_train)
     return parser
+
+
+def _cmd_config_explain(args: argparse.Namespace) -> int:
+    from collage.training.config_docs import explain, key_docs, reference_markdown
+
+    if args.markdown:
+        print(reference_markdown())
+        return 0
+    if args.key is None:
+        for doc in key_docs():
+            print(f"{doc.path:45s} {doc.description.split('. ')[0][:90]}")
+        return 0
+    try:
+        print(explain(args.key))
+    except KeyError as exc:
+        print(f"collage: error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -347,6 +347,17 @@ def test_the_launch_form_sets_evaluation_and_checkpoint_retention(browser, serve
         card = page.locator("#eval-card")
         for key in ("eval_strategy", "eval_steps", "greater_is_better", "save_total_limit", "eval_temperature"):
             assert card.locator(f'[name="train.{key}"]').count() == 1, key
+        # a loss type's own keys are shown, and sent, only with that loss type
+        sapo, delta = '[data-path="train.sapo_temperature_pos"]', '[data-path="train.delta"]'
+        assert page.is_hidden(sapo) and page.is_visible(delta)  # dapo: clipped, not sapo
+        page.select_option('[name="train.loss_type"]', "sapo")
+        assert page.is_visible(sapo) and page.is_hidden(delta)
+        page.click("#yaml-btn")
+        sent = yaml.safe_load(page.inner_text("#yaml"))["train"]
+        assert "sapo_temperature_pos" in sent and "delta" not in sent and "vespo_k_pos" not in sent
+        page.click("#yaml-btn")
+        page.select_option('[name="train.loss_type"]', "dapo")
+        assert page.is_hidden(sapo) and page.is_visible(delta)
         # the untouched form still builds a valid config (evaluation off)
         page.click("#yaml-btn")
         untouched = yaml.safe_load(page.inner_text("#yaml"))

@@ -16,11 +16,12 @@ from typing import Literal
 
 import torch
 
+from .config import CLIPPED_LOSSES  # the PPO-style clipped surrogate losses (and ``delta``): one list, in config
+
 STD_EPS = 1e-4  # TRL's constant in the advantage denominators
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style clipped surrogate (and ``delta``)
 SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")  # each sequence averaged over its tokens, then over sequences
 GLOBAL_TOKEN_LOSSES = ("cispo", "dapo", "vespo")  # divided by the tokens of the generation batch
 VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's lower clamp of VESPO's sequence log-weight

@@ -87,17 +87,40 @@ class _Strict(BaseModel):
 
 
 class LoraSettings(_Strict):
-    r: int = Field(8, gt=0, le=4096)
-    alpha: int = Field(16, gt=0, le=65_536)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+    r: int = Field(8, gt=0, le=4096, description="LoRA rank: the adapters' inner dimension (peft: r).")
+    alpha: int = Field(
+        16, gt=0, le=65_536, description="LoRA scale: the update is multiplied by alpha / r (peft: lora_alpha)."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (peft: lora_dropout).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"],
+        min_length=1,
+        description=(
+            "Names of the language model's linear layers that get adapters (peft: target_modules); the vision tower "
+            "stays frozen unless model.freeze_vision is false."
+        ),
+    )
 
 
 class ModelSettings(_Strict):
-    path: str = Field("tiny:qwen2-vl", min_length=1, max_length=500)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    freeze_vision: bool = True
-    lora: LoraSettings | None = None
+    path: str = Field(
+        "tiny:qwen2-vl",
+        min_length=1,
+        max_length=500,
+        description=(
+            "The model to train: a local folder, a hub id (needs internet), or tiny:<family> (a tiny random-weight "
+            "model built locally, for tests and demos). A local path must lie under COLLAGE_MODEL_ROOTS on a server."
+        ),
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Weights' dtype: auto keeps the checkpoint's."
+    )
+    freeze_vision: bool = Field(
+        True, description="Keep the vision tower and projector frozen (only the language model trains)."
+    )
+    lora: LoraSettings | None = Field(
+        None, description="Train LoRA adapters instead of the full model (peft); empty = full fine-tuning."
+    )
 
 
 COLUMN_NAME = Annotated[str, Field(min_length=1, max_length=200)]
@@ -110,11 +133,25 @@ class ColumnMap(_Strict):
     datasets whose columns are named otherwise (``question``, ``image_1`` ... ``image_4``, ``solution``). A key left
     out keeps its default column (``prompt``, ``images``/``image``, ``answer``, none)."""
 
-    prompt: COLUMN_NAME | None = None
+    prompt: COLUMN_NAME | None = Field(
+        None, description="The source column holding the prompt (a string or a conversation); empty = prompt."
+    )
     # one column (a list of images, or one image), or several gathered into one list in order, empty ones skipped
-    images: COLUMN_NAME | list[COLUMN_NAME] | None = None
-    answer: COLUMN_NAME | None = None  # reaches the rewards unchanged: a number, a string or a list of answers
-    system: COLUMN_NAME | None = None
+    images: COLUMN_NAME | list[COLUMN_NAME] | None = Field(
+        None,
+        description=(
+            "The source column(s) holding the images: one column (a list or one image), or several gathered in order,"
+            " empty ones skipped ([image_1, image_2]); empty = images or image."
+        ),
+    )
+    answer: COLUMN_NAME | None = Field(
+        None,
+        description=(
+            "The source column holding the answer, passed to the rewards unchanged (a number, a string or a list of "
+            "acceptable answers); a prompt-completion dataset's completion is used when empty."
+        ),
+    )  # reaches the rewards unchanged: a number, a string or a list of answers
+    system: COLUMN_NAME | None = Field(None, description="The source column holding a system turn; empty = none.")
 
     @field_validator("images")
     @classmethod
@@ -159,32 +196,106 @@ AUTO_FULL_CHECK_ROWS = 100_000  # dataset.check: auto checks every row of a spli
 
 
 class DatasetSettings(_Strict):
-    source: str = Field("synth:count-red", min_length=1, max_length=500)
-    split: str = Field("train", min_length=1, max_length=100)
+    source: str = Field(
+        "synth:count-red",
+        min_length=1,
+        max_length=500,
+        description=(
+            "The training data: a JSONL/Parquet/CSV file or folder, a save_to_disk folder, a local Hub snapshot, "
+            "synth:<task>, or a hub id (needs internet). A local path must lie under COLLAGE_DATA_ROOTS on a server "
+            "(docs/data.md)."
+        ),
+    )
+    split: str = Field(
+        "train",
+        min_length=1,
+        max_length=100,
+        description="Split of the dataset to train on (a DatasetDict's split, <split>.jsonl in a folder, a hub split).",
+    )
     # the dataset's configuration (a Hub dataset's `configs:`, datasets' `name`), for sources that have several
-    config_name: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[\w.-]+$")
+    config_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        pattern=r"^[\w.-]+$",
+        description="A Hub dataset's configuration (its card's configs:); empty = the default.",
+    )
     # bring your own data (docs/data.md): source columns for the prompt, images, answer and system turn; a prompt
     # built from the row's columns ({images} marks where the images go, else they come first); a system turn
-    columns: ColumnMap | None = None
-    prompt_template: str | None = Field(None, min_length=1, max_length=TEMPLATE_MAX)
-    system_prompt: str | None = Field(None, min_length=1, max_length=TEMPLATE_MAX)
+    columns: ColumnMap | None = Field(
+        None, description="Which source columns hold the prompt, images, answer and system turn; empty = TRL's names."
+    )
+    prompt_template: str | None = Field(
+        None,
+        min_length=1,
+        max_length=TEMPLATE_MAX,
+        description=(
+            "Build the prompt from the row's columns: {question} is a column's value, {images} where the images go "
+            "(else first). Not with a mapped prompt column. Empty = the prompt column as it is."
+        ),
+    )
+    system_prompt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=TEMPLATE_MAX,
+        description="A system turn for every row (a conversation with its own keeps it). Empty = none.",
+    )
     # a row `collage data check` refuses (a corrupt image, a malformed line): skip: named in a warning event and
     # left out, the others used (a split with no usable row still fails); fail: the run fails before training
-    bad_rows: Literal["skip", "fail"] = "skip"
+    bad_rows: Literal["skip", "fail"] = Field(
+        "skip",
+        description=(
+            "Rows the data check refuses: skip (left out, each named in a warning) or fail (the run fails first)."
+        ),
+    )
     # the data check before training (docs/data.md, Large datasets). full: every row, cached per dataset fingerprint;
     # sample: a seeded sample of CHECK_SAMPLE_ROWS rows before training and every other row when a batch draws it
     # (a bad row drawn is skipped, or fails the run, as bad_rows says); auto: full up to AUTO_FULL_CHECK_ROWS rows
-    check: Literal["auto", "full", "sample"] = "auto"
-    rows: int = Field(256, gt=0, le=ROWS_MAX)
-    min_images: int = Field(0, ge=0, le=IMAGES_MAX)
-    max_images: int = Field(3, ge=0, le=IMAGES_MAX)
-    seed: int = Field(0, ge=0, le=SEED_MAX)  # synth only: the dataset's own seed, independent of train.seed
+    check: Literal["auto", "full", "sample"] = Field(
+        "auto",
+        description=(
+            "The data check before training: full (every row, cached), sample (2,000 rows first, every other row when"
+            " a batch draws it), auto (full up to 100,000 rows)."
+        ),
+    )
+    rows: int = Field(256, gt=0, le=ROWS_MAX, description="synth:<task> only: how many rows to generate.")
+    min_images: int = Field(
+        0, ge=0, le=IMAGES_MAX, description="synth:<task> only: fewest images per row; 0 mixes text-only rows in."
+    )
+    max_images: int = Field(3, ge=0, le=IMAGES_MAX, description="synth:<task> only: most images per row.")
+    seed: int = Field(
+        0, ge=0, le=SEED_MAX, description="synth:<task> only: the dataset's seed."
+    )  # synth only: the dataset's own seed, independent of train.seed
     # held-out data for evaluation (train.eval_strategy; docs/training.md, Evaluation), one of three ways:
     # eval_split: another split of `source` (a synthetic task: the same task from another seed); with eval_source, the
     # split of that source (default train); eval_fraction: a deterministic slice of `split` that is never trained on
-    eval_split: str | None = Field(None, min_length=1, max_length=100)
-    eval_source: str | None = Field(None, min_length=1, max_length=500)
-    eval_fraction: float | None = Field(None, gt=0.0, lt=1.0)
+    eval_split: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        description=(
+            "Held-out data for evaluation: another split of the source (e.g. test of a DatasetDict); for "
+            "synth:<task>, any name gives the same task from another seed. Empty = none (TRL: eval_dataset)."
+        ),
+    )
+    eval_source: str | None = Field(
+        None,
+        min_length=1,
+        max_length=500,
+        description=(
+            "Held-out data from another dataset (a path or hub id, like source); its split is eval_split, default "
+            "train. Empty = none."
+        ),
+    )
+    eval_fraction: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description=(
+            "Held-out data from the training split: this fraction of its rows (0..1, a deterministic slice by the "
+            "dataset seed) is never trained on, only evaluated. Not with eval_split or eval_source. Empty = none."
+        ),
+    )
 
     @model_validator(mode="after")
     def _images_range(self) -> DatasetSettings:
@@ -232,11 +343,30 @@ class DatasetSettings(_Strict):
 
 
 class RewardSettings(_Strict):
-    name: str = Field(min_length=1, max_length=500)
-    weight: float = Field(1.0, ge=-1e6, le=1e6)
-    args: dict[str, Any] = Field(default_factory=dict)  # extra keyword arguments for the function
+    name: str = Field(
+        min_length=1,
+        max_length=500,
+        description=(
+            "A built-in reward (accuracy, closeness, numeric, format, length, ...), an import path module:function "
+            "the operator allowlisted (COLLAGE_REWARD_MODULES), or a text reward model (a sequence-classification "
+            "checkpoint)."
+        ),
+    )
+    weight: float = Field(
+        1.0, ge=-1e6, le=1e6, description="The reward's weight in the total reward (TRL: reward_weights)."
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments for the reward function (JSON values, bounded in size).",
+    )  # extra keyword arguments for the function
     # only for text reward models (a sequence-classification checkpoint): what to do with rows that have images
-    on_images_for_text_reward: Literal["error", "drop"] = "error"
+    on_images_for_text_reward: Literal["error", "drop"] = Field(
+        "error",
+        description=(
+            "For a text reward model, which cannot see images: error refuses rows with images before training; drop "
+            "scores their text alone (a warning event says so)."
+        ),
+    )
 
     @field_validator("args")
     @classmethod
@@ -250,73 +380,355 @@ class TrainSettings(_Strict):
     """The ``train`` section. Keys TRL has carry TRL's names, defaults and meanings (``GRPOConfig`` /
     ``RLOOConfig`` 1.16); ``beta``'s default depends on the algorithm and is filled in by :class:`RunConfig`."""
 
-    max_steps: int = Field(50, gt=0, le=STEPS_MAX)
-    learning_rate: float = Field(1.0e-5, gt=0, le=1.0)
-    per_device_train_batch_size: int = Field(4, gt=0, le=BATCH_MAX)
-    gradient_accumulation_steps: int = Field(1, gt=0, le=BATCH_MAX)
-    num_generations: int = Field(4, ge=2, le=BATCH_MAX)
-    max_prompt_length: int | None = Field(512, gt=0, le=TOKENS_MAX)
-    max_completion_length: int = Field(32, gt=0, le=COMPLETION_TOKENS_MAX)
-    temperature: float = Field(1.0, gt=0, le=100.0)
+    max_steps: int = Field(50, gt=0, le=STEPS_MAX, description="Optimizer steps to run (TRL: max_steps).")
+    learning_rate: float = Field(1.0e-5, gt=0, le=1.0, description="AdamW learning rate (TRL: learning_rate).")
+    per_device_train_batch_size: int = Field(
+        4, gt=0, le=BATCH_MAX, description="Completions per micro-batch per device (TRL: per_device_train_batch_size)."
+    )
+    gradient_accumulation_steps: int = Field(
+        1, gt=0, le=BATCH_MAX, description="Micro-batches per optimizer step (TRL: gradient_accumulation_steps)."
+    )
+    num_generations: int = Field(
+        4, ge=2, le=BATCH_MAX, description="Completions sampled per prompt: one group (TRL: num_generations)."
+    )
+    max_prompt_length: int | None = Field(
+        512,
+        gt=0,
+        le=TOKENS_MAX,
+        description="Prompt token limit; text is cut oldest-first, image tokens never (TRL: max_prompt_length).",
+    )
+    max_completion_length: int = Field(
+        32, gt=0, le=COMPLETION_TOKENS_MAX, description="Most tokens per completion (TRL: max_completion_length)."
+    )
+    temperature: float = Field(
+        1.0, gt=0, le=100.0, description="Sampling temperature for completions and log-probs (TRL: temperature)."
+    )
     # sampling of completions, as TRL's: nucleus, top-k (0 = off), min-p, repetition penalty (1 = off)
-    top_p: float = Field(1.0, gt=0, le=1.0)
-    top_k: int = Field(0, ge=0, le=10_000_000)
-    min_p: float | None = Field(None, ge=0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0, le=100.0)
-    beta: float = Field(0.0, ge=0, le=COEF_MAX)  # GRPO's default; RunConfig fills in RLOO's (ALGORITHM_DEFAULTS)
-    use_bias_correction_kl: bool = True  # GRPO, beta > 0: weight the KL term by the ratio (TRL's default)
-    epsilon: float = Field(0.2, gt=0, le=100.0)
-    epsilon_high: float | None = Field(None, gt=0, le=100.0)
-    delta: float | None = Field(None, gt=0, le=COEF_MAX)  # GRPO: two-sided clipping (INTELLECT-2)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
-    importance_sampling_level: Literal["token", "sequence"] = "token"  # GRPO; sequence = GSPO
-    sapo_temperature_neg: float = Field(1.05, gt=0, le=COEF_MAX)
-    sapo_temperature_pos: float = Field(1.0, gt=0, le=COEF_MAX)
-    vespo_k_pos: float = Field(2.0, ge=0, le=COEF_MAX)
-    vespo_lambda_pos: float = Field(3.0, ge=0, le=COEF_MAX)
-    vespo_k_neg: float = Field(3.0, ge=0, le=COEF_MAX)
-    vespo_lambda_neg: float = Field(2.0, ge=0, le=COEF_MAX)
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    normalize_advantages: bool = False
-    top_entropy_quantile: float = Field(1.0, ge=0.0, le=1.0)
-    entropy_coef: float = Field(0.0, ge=-COEF_MAX, le=COEF_MAX)
-    sync_ref_model: bool = False
-    ref_model_mixup_alpha: float = Field(0.6, ge=0.0, le=1.0)
-    ref_model_sync_steps: int = Field(512, gt=0, le=STEPS_MAX)
-    num_iterations: int = Field(1, gt=0, le=BATCH_MAX)
-    steps_per_generation: int | None = Field(None, gt=0, le=BATCH_MAX)
-    mask_truncated_completions: bool = False
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1.0,
+        description=(
+            "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1.0 = off (TRL: top_p)."
+        ),
+    )
+    top_k: int = Field(
+        0, ge=0, le=10_000_000, description="Sample among the k most likely tokens; 0 = off (TRL: top_k)."
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0,
+        le=1.0,
+        description="Drop tokens less likely than min_p times the most likely one; empty = off (TRL: min_p).",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        le=100.0,
+        description="Penalise tokens already in the prompt or completion; 1.0 = off (TRL: repetition_penalty).",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0,
+        le=COEF_MAX,
+        description=(
+            "KL coefficient; empty = the algorithm's TRL default (GRPO 0.0, RLOO 0.05). > 0 needs a reference model; "
+            "with LoRA the adapters are disabled instead of copying the model (TRL: beta; DeepSeek-R1 used 0.001)."
+        ),
+    )  # GRPO's default; RunConfig fills in RLOO's (ALGORITHM_DEFAULTS)
+    use_bias_correction_kl: bool = Field(
+        True,
+        description=(
+            "GRPO with beta > 0: multiply the KL term by the importance ratio, so its gradient is the unbiased "
+            "reverse-KL gradient even on-policy; the kl metric is logged with the same weighting, as TRL logs it "
+            "(TRL: use_bias_correction_kl; DeepSeek-V3.2, arXiv 2512.02556)."
+        ),
+    )  # GRPO, beta > 0: weight the KL term by the ratio (TRL's default)
+    epsilon: float = Field(0.2, gt=0, le=100.0, description="Lower clip range of the ratio (TRL: epsilon).")
+    epsilon_high: float | None = Field(
+        None,
+        gt=0,
+        le=100.0,
+        description=(
+            "Upper clip range; empty = epsilon (TRL: epsilon_high; DAPO's clip-higher recommends 0.28). With "
+            "loss_type cispo it is the cap of the importance weight itself (ScaleRL, arXiv 2510.13786, recommends "
+            "5.0)."
+        ),
+    )
+    delta: float | None = Field(
+        None,
+        gt=0,
+        le=COEF_MAX,
+        description=(
+            "Two-sided clipping: also cap the unclipped ratio at delta, bounding updates on negative advantages; "
+            "empty = off, TRL recommends > 1 + epsilon (TRL: delta; INTELLECT-2, arXiv 2505.07291). Clipped loss "
+            "types only."
+        ),
+    )  # GRPO: two-sided clipping (INTELLECT-2)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
+        "dapo",
+        description=(
+            "How the policy term is built and normalised (TRL: loss_type). grpo: each sequence's token mean, then the"
+            " mean over sequences (length-biased); bnpo: over the micro-batch's tokens; dr_grpo: by batch size x "
+            "max_completion_length (Dr. GRPO); dapo: over the generation batch's tokens (DAPO); cispo: clip the "
+            "detached importance weight times A log pi, every token keeps a gradient (MiniMax-M1, arXiv 2506.13585); "
+            "sapo: a smooth gate sigmoid(tau (r - 1)) 4 / tau instead of the hard clip (SAPO, arXiv 2511.20347); "
+            "luspo: each sequence summed, then the mean over sequences, a length-unbiased GSPO for "
+            "importance_sampling_level sequence (LUSPO, arXiv 2602.05261); vespo: -phi(w) A log pi with phi(w) = "
+            "e^lambda w^k e^(-lambda w) of the sequence ratio, dapo's normaliser (VESPO, arXiv 2602.10693)."
+        ),
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description=(
+            "token: one importance ratio per token; sequence: one per sequence, exp of the mean token log-ratio "
+            "(GSPO, Zheng et al. 2025, arXiv 2507.18071; meant for loss_type grpo or luspo: with bnpo, dr_grpo, dapo "
+            "or cispo it weights sequences by length, and a warning event says so) (TRL: importance_sampling_level)."
+        ),
+    )  # GRPO; sequence = GSPO
+    sapo_temperature_neg: float = Field(
+        1.05,
+        gt=0,
+        le=COEF_MAX,
+        description=(
+            "loss_type sapo: gate temperature for tokens with non-positive advantage (TRL: sapo_temperature_neg; SAPO)."
+        ),
+    )
+    sapo_temperature_pos: float = Field(
+        1.0,
+        gt=0,
+        le=COEF_MAX,
+        description=(
+            "loss_type sapo: gate temperature for tokens with positive advantage (TRL: sapo_temperature_pos; SAPO)."
+        ),
+    )
+    vespo_k_pos: float = Field(
+        2.0,
+        ge=0,
+        le=COEF_MAX,
+        description=(
+            "loss_type vespo, positive advantages: power k of the gamma weight, how hard ratios < 1 are down-weighted"
+            " (TRL: vespo_k_pos; VESPO)."
+        ),
+    )
+    vespo_lambda_pos: float = Field(
+        3.0,
+        ge=0,
+        le=COEF_MAX,
+        description=(
+            "loss_type vespo, positive advantages: decay lambda, how hard ratios > 1 are down-weighted (TRL: "
+            "vespo_lambda_pos; VESPO)."
+        ),
+    )
+    vespo_k_neg: float = Field(
+        3.0, ge=0, le=COEF_MAX, description="loss_type vespo, negative advantages: power k (TRL: vespo_k_neg; VESPO)."
+    )
+    vespo_lambda_neg: float = Field(
+        2.0,
+        ge=0,
+        le=COEF_MAX,
+        description="loss_type vespo, negative advantages: decay lambda (TRL: vespo_lambda_neg; VESPO).",
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize",
+        description=(
+            "Several rewards: sum the weighted rewards then normalise (scale_rewards), or normalise each reward in "
+            "its group, sum, and standardise over the batch (TRL: multi_objective_aggregation; GDPO, arXiv "
+            "2601.05242)."
+        ),
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description=(
+            "Divide advantages by the group std, the batch std (PPO Lite), or not at all (Dr. GRPO) (TRL: "
+            "scale_rewards)."
+        ),
+    )
+    normalize_advantages: bool = Field(
+        False, description="RLOO: standardise the advantages over the generation batch (TRL: normalize_advantages)."
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Keep in the policy loss only the top rho fraction of tokens by entropy; 1.0 keeps all, 0.0 only the "
+            "highest, the paper recommends 0.2 (TRL: top_entropy_quantile; Beyond the 80/20 Rule, arXiv 2506.01939)."
+        ),
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=-COEF_MAX,
+        le=COEF_MAX,
+        description=(
+            "Entropy bonus: the loss minus entropy_coef times the mean per-token entropy (of the tokens "
+            "top_entropy_quantile keeps), the same for every loss_type, with gradients through the entropy; 0 = off. "
+            "The loss metric is then the total and policy_loss the policy term (TRL: entropy_coef)."
+        ),
+    )
+    sync_ref_model: bool = Field(
+        False,
+        description=(
+            "Move the reference model towards the policy every ref_model_sync_steps steps; needs beta > 0, not with "
+            "LoRA (TRL: sync_ref_model; TR-DPO, arXiv 2404.09656)."
+        ),
+    )
+    ref_model_mixup_alpha: float = Field(
+        0.6,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "With sync_ref_model: ref = alpha x policy + (1 - alpha) x ref at each sync (TRL: ref_model_mixup_alpha; "
+            "TR-DPO's alpha)."
+        ),
+    )
+    ref_model_sync_steps: int = Field(
+        512,
+        gt=0,
+        le=STEPS_MAX,
+        description="With sync_ref_model: optimizer steps between syncs (TRL: ref_model_sync_steps; TR-DPO's tau).",
+    )
+    num_iterations: int = Field(
+        1, gt=0, le=BATCH_MAX, description="Updates per generation batch (TRL: num_iterations, GRPO's mu)."
+    )
+    steps_per_generation: int | None = Field(
+        None,
+        gt=0,
+        le=BATCH_MAX,
+        description="Micro-batches per generation; empty = gradient_accumulation_steps (TRL: steps_per_generation).",
+    )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="Leave completions that hit the length limit out of the loss (TRL: mask_truncated_completions).",
+    )
     # who samples the completions: "hf" (transformers' generate). The seam for vLLM (colocated, weights synced
     # each step) is training.generation.BACKENDS; no vLLM backend ships until it is built and measured on a GPU
-    generation_backend: Literal["hf"] = "hf"
-    gradient_checkpointing: bool = False
-    seed: int = Field(0, ge=0, le=SEED_MAX)
-    save_steps: int = Field(0, ge=0, le=STEPS_MAX)
+    generation_backend: Literal["hf"] = Field(
+        "hf",
+        description=(
+            "Who samples completions: hf (transformers' generate, each prompt prefilled once and its KV cache forked "
+            "to its group, docs/batching.md) is the only backend. The seam is training.generation.BACKENDS; a vLLM "
+            "backend is not shipped: it has to be built and measured on a GPU."
+        ),
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description=(
+            "Recompute activations in the backward pass: less memory, more compute (TRL: gradient_checkpointing)."
+        ),
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=SEED_MAX,
+        description="Seed of sampling and the data order (TRL: seed); the dataset's own seed is dataset.seed.",
+    )
+    save_steps: int = Field(
+        0,
+        ge=0,
+        le=STEPS_MAX,
+        description="Checkpoint every N steps; 0 = only at the end (and on cancel) (TRL: save_steps).",
+    )
     # checkpoints kept (TRL's names): the newest save_total_limit, never deleting the newest nor the best by
     # metric_for_best_model (greater_is_better: None = True unless the metric's name ends in "loss", as TRL)
-    save_total_limit: int | None = Field(None, gt=0, le=STEPS_MAX)
-    metric_for_best_model: str | None = Field(None, min_length=1, max_length=100, pattern=r"^[\w./@+-]+$")
-    greater_is_better: bool | None = None
+    save_total_limit: int | None = Field(
+        None,
+        gt=0,
+        le=STEPS_MAX,
+        description=(
+            "Keep only the newest N checkpoints, never deleting the newest nor the best by metric_for_best_model; "
+            "empty = keep all; needs save_steps > 0 (TRL: save_total_limit)."
+        ),
+    )
+    metric_for_best_model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[\w./@+-]+$",
+        description=(
+            "The metric that ranks checkpoints for best (e.g. eval/reward: with eval_strategy steps and save_steps a "
+            "multiple of eval_steps); empty = none (TRL: metric_for_best_model)."
+        ),
+    )
+    greater_is_better: bool | None = Field(
+        None,
+        description=(
+            "Whether a higher metric_for_best_model is better; auto = yes unless its name ends in loss (TRL: "
+            "greater_is_better)."
+        ),
+    )
     # held-out evaluation (TRL's names where TRL has them; docs/training.md, Evaluation)
-    eval_strategy: Literal["no", "steps"] = "no"
-    eval_steps: int | None = Field(None, gt=0, le=STEPS_MAX)  # None: every ceil(max_steps / 10) steps
-    eval_on_start: bool = False  # evaluate the initial model too (step 0), for a baseline
+    eval_strategy: Literal["no", "steps"] = Field(
+        "no",
+        description=(
+            "Evaluate on the held-out data (a dataset eval_* key) every eval_steps steps, or never (TRL: "
+            "eval_strategy; epoch is not offered: runs count steps)."
+        ),
+    )
+    eval_steps: int | None = Field(
+        None,
+        gt=0,
+        le=STEPS_MAX,
+        description=(
+            "Optimizer steps between evaluations; empty = about ten per run, every ceil(max_steps / 10) (TRL: "
+            "eval_steps)."
+        ),
+    )  # None: every ceil(max_steps / 10) steps
+    eval_on_start: bool = Field(
+        False,
+        description=(
+            "Also evaluate the initial model, at step 0: the baseline the curve starts from (TRL: eval_on_start)."
+        ),
+    )  # evaluate the initial model too (step 0), for a baseline
     # completions per eval batch and process (a multiple of eval_num_generations); None: per_device_train_batch_size
-    per_device_eval_batch_size: int | None = Field(None, gt=0, le=BATCH_MAX)
+    per_device_eval_batch_size: int | None = Field(
+        None,
+        gt=0,
+        le=BATCH_MAX,
+        description=(
+            "Completions per evaluation batch and process, a multiple of eval_num_generations; empty = "
+            "per_device_train_batch_size (TRL: per_device_eval_batch_size)."
+        ),
+    )
     eval_num_generations: int = Field(
-        1, ge=1, le=BATCH_MAX
+        1,
+        ge=1,
+        le=BATCH_MAX,
+        description=(
+            "Completions per held-out prompt; eval/pass@k is reported for k = 1 and this (TRL: num_generations_eval)."
+        ),
     )  # completions per held-out prompt (TRL: num_generations_eval)
-    eval_temperature: float | None = Field(None, gt=0, le=100.0)  # None: greedy with one completion, else temperature
-    eval_max_rows: int | None = Field(None, gt=0, le=ROWS_MAX)  # held-out prompts per evaluation (the first N)
+    eval_temperature: float | None = Field(
+        None,
+        gt=0,
+        le=100.0,
+        description=(
+            "Sampling temperature of the evaluation; empty = greedy with one completion per prompt, else temperature."
+        ),
+    )  # None: greedy with one completion, else temperature
+    eval_max_rows: int | None = Field(
+        None, gt=0, le=ROWS_MAX, description="Held-out prompts per evaluation (the first N); empty = all of them."
+    )  # held-out prompts per evaluation (the first N)
     # eval/pass@k: a completion passes when this reward (default: accuracy, when the run has it) is >= the threshold
-    eval_pass_reward: str | None = Field(None, min_length=1, max_length=500)
-    eval_pass_threshold: float = Field(1.0, ge=-1e6, le=1e6)
+    eval_pass_reward: str | None = Field(
+        None,
+        min_length=1,
+        max_length=500,
+        description=(
+            "The reward whose value decides eval/pass@k (a completion passes at >= eval_pass_threshold); empty = "
+            "accuracy when the run has it."
+        ),
+    )
+    eval_pass_threshold: float = Field(
+        1.0, ge=-1e6, le=1e6, description="The pass reward's value at which a completion passes (eval/pass@k)."
+    )
     # not in TRL's GRPOConfig under these names, but users expect them
-    weight_decay: float = Field(0.0, ge=0, le=100.0)
-    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
-    lr_scheduler_type: Literal["linear", "constant", "cosine"] = "linear"
-    warmup_steps: int = Field(0, ge=0, le=STEPS_MAX)
+    weight_decay: float = Field(0.0, ge=0, le=100.0, description="AdamW weight decay (TRL: weight_decay).")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm (TRL: max_grad_norm).")
+    lr_scheduler_type: Literal["linear", "constant", "cosine"] = Field(
+        "linear", description="Learning-rate schedule (TRL: lr_scheduler_type)."
+    )
+    warmup_steps: int = Field(0, ge=0, le=STEPS_MAX, description="Warm-up steps of the schedule (TRL: warmup_steps).")
 
     @field_validator("scale_rewards", mode="before")
     @classmethod
@@ -367,10 +779,19 @@ class TrainSettings(_Strict):
 
 
 class LoggingSettings(_Strict):
-    samples_every: int = Field(1, ge=0, le=STEPS_MAX)  # 0 = never write rollout rows
+    samples_every: int = Field(
+        1, ge=0, le=STEPS_MAX, description="Write the rollout table every N steps; 0 = never (TRL: log_completions)."
+    )  # 0 = never write rollout rows
     # TRL's report_to: the trackers a worker mirrors the run to (worker/trackers.py), by name only: where the data
     # goes is the operator's setting on the worker, never the client's. One name is a one-item list; TRL's "none" is [].
-    report_to: list[Literal["trackio", "wandb", "none"]] = Field(default_factory=list, max_length=8)
+    report_to: list[Literal["trackio", "wandb", "none"]] = Field(
+        default_factory=list,
+        max_length=8,
+        description=(
+            "Trackers the run is mirrored to, trackio and/or wandb (none or empty: none); names only, their settings "
+            "come from the environment of the process that trains (TRL: report_to; docs/trackers.md)."
+        ),
+    )
 
     @field_validator("report_to", mode="before")
     @classmethod
@@ -386,8 +807,12 @@ class LoggingSettings(_Strict):
 
 
 class ResourceSettings(_Strict):
-    gpus: int = Field(1, ge=0, le=1024)
-    queue: str = Field("default", min_length=1, max_length=100, pattern=r"^[\w.-]+$")
+    gpus: int = Field(
+        1, ge=0, le=1024, description="GPUs for the run: 0 = CPU; > 1 = one multi-GPU run through accelerate."
+    )
+    queue: str = Field(
+        "default", min_length=1, max_length=100, pattern=r"^[\w.-]+$", description="Worker queue to run on."
+    )
 
 
 # Keys of one algorithm only (TRL's RLOOConfig has none of the GRPO ones, GRPOConfig not normalize_advantages).
@@ -408,21 +833,66 @@ GRPO_ONLY = (
     "entropy_coef",
 )
 RLOO_ONLY = ("normalize_advantages",)
+# the PPO-style clipped surrogate losses (they use epsilon's clip and delta)
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# train keys that only one family of loss types reads: the launch form shows them for those loss types only, and a
+# value given for another loss type is a warning event (the trainer's option warnings)
+LOSS_TYPE_KEYS: dict[str, tuple[str, ...]] = {
+    "delta": CLIPPED_LOSSES,
+    "sapo_temperature_pos": ("sapo",),
+    "sapo_temperature_neg": ("sapo",),
+    "vespo_k_pos": ("vespo",),
+    "vespo_lambda_pos": ("vespo",),
+    "vespo_k_neg": ("vespo",),
+    "vespo_lambda_neg": ("vespo",),
+}
 # Defaults that differ between TRL's two configs: filled in when the key is absent (or null), so a resolved config
 # written out (every key present) loads again unchanged.
 ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"beta": 0.0}, "rloo": {"beta": 0.05}}
 
 
 class RunConfig(_Strict):
-    name: str | None = Field(None, min_length=1, max_length=200)
-    algorithm: Literal["grpo", "rloo"] = "grpo"
-    tags: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(default_factory=list, max_length=50)
-    model: ModelSettings = Field(default_factory=ModelSettings)
-    dataset: DatasetSettings = Field(default_factory=DatasetSettings)
-    rewards: list[RewardSettings] = Field(default_factory=lambda: [RewardSettings(name="accuracy")], min_length=1)
-    train: TrainSettings = Field(default_factory=TrainSettings)
-    logging: LoggingSettings = Field(default_factory=LoggingSettings)
-    resources: ResourceSettings = Field(default_factory=ResourceSettings)
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="A readable name; generated from dataset, algorithm and model when empty.",
+    )
+    algorithm: Literal["grpo", "rloo"] = Field(
+        "grpo",
+        description=(
+            "grpo: group-relative advantages and a clipped surrogate loss (TRL: GRPOTrainer; DeepSeekMath, arXiv "
+            "2402.03300); rloo: a leave-one-out baseline per prompt (TRL: RLOOTrainer; Ahmadian et al. 2024, arXiv "
+            "2402.14740)."
+        ),
+    )
+    tags: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(
+        default_factory=list,
+        max_length=50,
+        description="Tags to filter runs by (the launch form takes them comma-separated).",
+    )
+    model: ModelSettings = Field(default_factory=ModelSettings, description="The policy model and how it trains.")
+    dataset: DatasetSettings = Field(
+        default_factory=DatasetSettings,
+        description="The training rows, their mapping, their check and the held-out data.",
+    )
+    rewards: list[RewardSettings] = Field(
+        default_factory=lambda: [RewardSettings(name="accuracy")],
+        min_length=1,
+        description=(
+            "The reward functions; a completion's reward is their weighted sum (TRL: reward_funcs, reward_weights)."
+        ),
+    )
+    train: TrainSettings = Field(
+        default_factory=TrainSettings,
+        description="The optimisation, sampling, loss, evaluation and checkpoint keys (TRL's names).",
+    )
+    logging: LoggingSettings = Field(
+        default_factory=LoggingSettings, description="What the run records beyond its metrics."
+    )
+    resources: ResourceSettings = Field(
+        default_factory=ResourceSettings, description="Where and on what the run trains."
+    )
 
     @model_validator(mode="before")
     @classmethod

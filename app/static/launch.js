@@ -9,8 +9,16 @@
 
   function algorithm() { return form.querySelector('input[name="algorithm"]:checked').value; }
 
+  function lossType() { return form.querySelector('[name="train.loss_type"]')?.value; }
+
+  // a field of one algorithm, or of some loss types (sapo_*, vespo_*, delta), is shown and sent only with them
+  function applies(field, algo) {
+    if (field.dataset.algorithm && field.dataset.algorithm !== algo) return false;
+    return !field.dataset.lossTypes || field.dataset.lossTypes.split(" ").includes(lossType());
+  }
+
   function showAlgorithmFields() {
-    for (const field of form.querySelectorAll("[data-algorithm]")) field.hidden = field.dataset.algorithm !== algorithm();
+    for (const field of form.querySelectorAll("[data-algorithm], [data-loss-types]")) field.hidden = !applies(field, algorithm());
   }
 
   function setPath(obj, path, value) {
@@ -37,8 +45,8 @@
       const path = input.name;
       if (path === "algorithm" || path.startsWith("reward.")) continue;
       if (path.startsWith("model.lora.") && !document.getElementById("lora-on").checked) continue;
-      const field = input.closest("[data-algorithm]");
-      if (field && field.dataset.algorithm !== out.algorithm) continue;
+      const field = input.closest("[data-algorithm], [data-loss-types]");
+      if (field && !applies(field, out.algorithm)) continue;
       const value = read(input);
       if (value !== undefined) setPath(out, path, value);
     }
@@ -263,7 +271,7 @@
   }
 
   form.addEventListener("change", e => {
-    if (e.target.name === "algorithm") showAlgorithmFields();
+    if (e.target.name === "algorithm" || e.target.name === "train.loss_type") showAlgorithmFields();
     if (e.target.dataset.column) { mappingTouched = true; livePreview(); }
   });
   for (const name of ["dataset.prompt_template", "dataset.system_prompt"]) {
