@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _cmd_build_tiny(args: argparse.Namespace) -> int:
@@ -357,15 +358,26 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from collage.training.data.synth import TASKS
-    from collage.training.models.families import TINY_FAMILIES
-
-    from .status import RunStatus
     from .version import collage_version
 
     parser = argparse.ArgumentParser(prog="collage", description="GRPO/RLOO fine-tuning of multi-image VLMs.")
     parser.add_argument("--version", action="version", version=f"collage {collage_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_model_and_data_commands(commands)
+    _add_server_commands(commands)
+    _add_client_commands(commands)
+    _add_admin_commands(commands)
+    _add_local_commands(commands)
+    return parser
+
+
+Commands = Any  # argparse's subparsers action (its class is private)
+
+
+def _add_model_and_data_commands(commands: Commands) -> None:
+    """``collage models build-tiny`` and ``collage data synth|check|preview``."""
+    from collage.training.data.synth import TASKS
+    from collage.training.models.families import TINY_FAMILIES
 
     models = commands.add_parser("models", help="build and inspect models").add_subparsers(dest="sub", required=True)
     tiny = models.add_parser("build-tiny", help="build a tiny random-weight VLM offline")
@@ -411,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument("--artifacts", required=True, help="folder that receives images/<sha256>.png")
     preview.set_defaults(func=_cmd_preview)
 
+
+def _add_server_commands(commands: Commands) -> None:
+    """``collage serve`` and ``collage worker``: the processes of a deployment."""
     serve = commands.add_parser("serve", help="web app + API + embedded worker(s) on this machine")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -424,6 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--loglevel", default="INFO")
     worker.add_argument("--quiet", action="store_true", help="no banner, warnings and errors only")
     worker.set_defaults(func=_cmd_worker)
+
+
+def _add_client_commands(commands: Commands) -> None:
+    """``collage submit`` and ``collage runs list|cancel|logs``: a server's REST API from the shell."""
+    from .status import RunStatus
 
     submit = commands.add_parser("submit", help="submit a run config to a Collage server")
     submit.add_argument("config")
@@ -457,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--token", default=None, help=TOKEN_HELP)
         command.set_defaults(func=_cmd_runs)
 
+
+def _add_admin_commands(commands: Commands) -> None:
+    """``collage db upgrade`` and ``collage token create|list|revoke|link``: the operator's commands."""
     db = commands.add_parser("db", help="the run store").add_subparsers(dest="sub", required=True)
     db_upgrade = db.add_parser("upgrade", help="apply migrations to COLLAGE_DATABASE_URL")
     db_upgrade.set_defaults(func=_cmd_db_upgrade)
@@ -479,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "serve` running on this COLLAGE_HOME, else http://127.0.0.1:8000)")  # fmt: skip
     token_link.set_defaults(func=_cmd_token_link)
 
+
+def _add_local_commands(commands: Commands) -> None:
+    """``collage export``, ``collage config explain`` and ``collage train``: without a server."""
     export = commands.add_parser("export", help="a run's checkpoint as a plain transformers folder")
     export.add_argument("run_id", metavar="RUN_ID", help="a run id in the store, or a `collage train` output folder")
     export.add_argument("--step", default="last", help="a step number, best or last (default last)")
@@ -502,7 +528,6 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=_cmd_train)
-    return parser
 
 
 def _cmd_config_explain(args: argparse.Namespace) -> int:
