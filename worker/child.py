@@ -17,6 +17,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 from collage.training.callbacks import Callback
 
@@ -96,111 +97,159 @@ def link_checkpoint(out: Path, checkpoint: Path) -> None:
     target.symlink_to(checkpoint.resolve(), target_is_directory=True)
 
 
-def main(run_id: str, attempt: int) -> int:
+class Attempt:
+    """One run attempt's connection to the store: its writer, its output folder and how it ends. Every store write
+    is conditioned on the attempt being current; only process 0 of a multi-process run writes."""
+
+    def __init__(self, run_id: str, attempt: int) -> None:
+        from collage.app.db import engine_for
+        from collage.app.settings import get_settings
+        from collage.app.store.writer import StoreWriter
+
+        self.run_id, self.attempt = run_id, attempt
+        self.settings = get_settings()
+        self.engine = engine_for(self.settings.database_url)
+        self.store = StoreWriter(self.engine, self.settings.artifacts)
+        self.writer = self.store.for_attempt(run_id, attempt)
+        self.rank = int(os.environ.get("RANK", "0"))  # accelerate's process index (set by `accelerate launch`)
+        self.out = attempt_dir(self.settings.artifacts, run_id, attempt)
+
+    def config_data(self) -> dict | None:
+        """The run's config as stored, or None when this attempt is no longer the run's current one."""
+        from sqlmodel import Session
+
+        from collage.app.models import Run
+
+        with Session(self.engine) as session:
+            run = session.get(Run, self.run_id)
+            if run is None or run.attempt != self.attempt:
+                return None
+            return dict(run.config)
+
+    def link_earlier_checkpoints(self) -> Path | None:
+        """The newest checkpoint the store records (None: a fresh start); every earlier one up to it is linked into
+        this attempt's folder, newest last, so train.save_total_limit counts and removes them too."""
+        newest = self.store.latest_checkpoint(self.run_id)
+        if newest is not None and self.rank == 0 and Path(newest).is_dir():
+            from collage.training.checkpoint import checkpoints_up_to
+
+            for checkpoint in checkpoints_up_to(Path(newest)):
+                link_checkpoint(self.out, checkpoint)
+        return None if newest is None else Path(newest)
+
+    def fail(self, error: str, message: str) -> int:
+        from collage.app.status import ACTIVE, RunStatus
+        from collage.training.diskspace import DiskFull
+
+        if self.rank == 0:
+            try:
+                self.store.transition(self.run_id, ACTIVE, RunStatus.FAILED, when_attempt=self.attempt, error=error,
+                                      message=message)  # fmt: skip
+            except DiskFull as full:  # the store cannot take even this: the supervisor records it once it can
+                print(f"run {self.run_id}: {message}\n{full}", file=sys.stderr)
+                return EXIT_STORE_FULL
+        return EXIT_FAILED
+
+    def finish(self, status: str, step: int) -> None:
+        from collage.app.status import ACTIVE, RunStatus
+
+        if self.rank == 0:
+            self.store.transition(self.run_id, ACTIVE, RunStatus(status), when_attempt=self.attempt,
+                                  message=f"{status} at step {step}")  # fmt: skip
+
+
+def _prepare_process() -> StopOnSignal:
+    """Before anything else: a SIGTERM from here on checkpoints and stops instead of killing; the child dies with
+    its worker; everything it writes is its owner's alone; it runs at the priority the worker asked for."""
     stop_signal = StopOnSignal()
-    stop_signal.install()  # first: a SIGTERM from here on checkpoints and stops instead of killing
+    stop_signal.install()
     die_with_parent()
     from collage.training.private import private_umask
 
-    private_umask()  # run folders, checkpoints, images: the owner's alone
+    private_umask()
     lower_priority()
-    from sqlmodel import Session
+    if os.environ.get("COLLAGE_HOME"):  # caches stay where they are after the chdir into the run's folder
+        os.environ["COLLAGE_HOME"] = str(Path(os.environ["COLLAGE_HOME"]).expanduser().absolute())
+    return stop_signal
 
-    from collage.app.db import engine_for
-    from collage.app.models import Run
-    from collage.app.settings import get_settings
-    from collage.app.status import ACTIVE, RunStatus
-    from collage.app.store.writer import StaleAttempt, StoreWriter
+
+def _enter_work_folder(out: Path) -> Path:
+    """An empty working folder: transformers and datasets try a relative `org/name` as a local folder first, so a
+    hub id must never resolve against wherever the worker was started."""
+    out = out.absolute()
+    work = out / "cwd"
+    work.mkdir(parents=True, exist_ok=True)
+    os.chdir(work)
+    return out
+
+
+def _train(attempt: Attempt, config: Any, out: Path, callbacks: list[Callback], resume: bool) -> Any:
+    """The run's training; a full disk (artifacts, or the store's) ends it with its path and the space left, not
+    with whatever the library that hit it calls it ("iostream error", "database or disk is full")."""
+    from collage.training.diskspace import as_disk_full
+    from collage.training.trainer import Trainer, TrainingError
+
+    settings = attempt.settings
+    trainer = Trainer(
+        config,
+        out,
+        callbacks,
+        resume=resume,
+        reward_modules=settings.reward_modules,  # () allows no module: only built-ins and operator paths
+        data_roots=settings.allowed_data_roots(),  # image paths inside rows stay under the operator's roots
+    )
+    try:
+        return trainer.train()
+    except Exception as exc:
+        full = as_disk_full(exc, settings.artifacts)
+        if full is None:
+            raise
+        raise TrainingError(str(full)) from exc
+
+
+def main(run_id: str, attempt_number: int) -> int:
+    stop_signal = _prepare_process()
+    from collage.app.store.writer import StaleAttempt
     from collage.app.trust import config_violations
     from collage.training.config import parse_config
-    from collage.training.diskspace import DiskFull, as_disk_full
-    from collage.training.trainer import Trainer, TrainingError
+    from collage.training.trainer import TrainingError
 
     from .store_callback import EXIT_STALE, StoreCallback
     from .trackers import TrackersCallback
 
-    settings = get_settings()
-    if os.environ.get("COLLAGE_HOME"):  # caches stay where they are after the chdir below
-        os.environ["COLLAGE_HOME"] = str(Path(os.environ["COLLAGE_HOME"]).expanduser().absolute())
-    engine = engine_for(settings.database_url)
-    store = StoreWriter(engine, settings.artifacts)
-    writer = store.for_attempt(run_id, attempt)
-    rank = int(os.environ.get("RANK", "0"))
-
-    def fail(error: str, message: str) -> int:
-        if rank == 0:
-            try:
-                store.transition(run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=error, message=message)
-            except DiskFull as full:  # the store cannot take even this: the supervisor records it once it can
-                print(f"run {run_id}: {message}\n{full}", file=sys.stderr)
-                return EXIT_STORE_FULL
-        return EXIT_FAILED
-
-    with Session(engine) as session:
-        run = session.get(Run, run_id)
-        if run is None or run.attempt != attempt:
-            print(f"run {run_id}: attempt {attempt} is not current", file=sys.stderr)
-            return EXIT_STALE
-        config_data = dict(run.config)
-    out = attempt_dir(settings.artifacts, run_id, attempt)
-    newest = store.latest_checkpoint(run_id)
-    if newest is not None and rank == 0 and Path(newest).is_dir():
-        from collage.training.checkpoint import checkpoints_up_to
-
-        # every earlier checkpoint up to the newest, newest last: train.save_total_limit counts and removes them too
-        for checkpoint in checkpoints_up_to(Path(newest)):
-            link_checkpoint(out, checkpoint)
-    heartbeat = float(os.environ.get("COLLAGE_HEARTBEAT_INTERVAL", "5"))
-    callback = StoreCallback(
-        writer, run_id, heartbeat_every=heartbeat, ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE")
-    )
+    attempt = Attempt(run_id, attempt_number)
+    config_data = attempt.config_data()
+    if config_data is None:
+        print(f"run {run_id}: attempt {attempt_number} is not current", file=sys.stderr)
+        return EXIT_STALE
+    newest = attempt.link_earlier_checkpoints()
+    callback = StoreCallback(attempt.writer, run_id, heartbeat_every=attempt.settings.heartbeat_interval,
+                             ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE"))  # fmt: skip
     trackers: TrackersCallback | None = None
     try:
-        if rank == 0:
+        if attempt.rank == 0:
             callback.start_heartbeat()
         config = parse_config(config_data)
         # the config came from an API client: the operator's policy again, here, before any import or file read
-        violations = config_violations(config, settings)
+        violations = config_violations(config, attempt.settings)
         if violations:
-            return fail(
-                "\n".join(f"{p}: {m}" for p, m in violations), f"refused: {violations[0][0]}: {violations[0][1]}"[:500]
-            )
-        # an empty working folder: transformers and datasets try a relative `org/name` as a local folder first, so
-        # a hub id must never resolve against wherever the worker was started
-        out = out.absolute()
-        work = out / "cwd"
-        work.mkdir(parents=True, exist_ok=True)
-        os.chdir(work)
-        callbacks: list[Callback] = [callback] if rank == 0 else []
+            errors = "\n".join(f"{p}: {m}" for p, m in violations)
+            return attempt.fail(errors, f"refused: {violations[0][0]}: {violations[0][1]}"[:500])
+        out = _enter_work_folder(attempt.out)
+        callbacks: list[Callback] = [callback] if attempt.rank == 0 else []
         callbacks.append(stop_signal)
-        if rank == 0 and config.logging.report_to:
+        if attempt.rank == 0 and config.logging.report_to:
             # after the store callback: the run has begun in the store before a tracker can warn about anything
             trackers = TrackersCallback(
                 config.logging.report_to, lambda message: callback.on_event("warning", message), run_id=run_id
             )
             callbacks.append(trackers)
-        trainer = Trainer(
-            config,
-            out,
-            callbacks,
-            resume=newest is not None,
-            reward_modules=settings.reward_modules,  # () allows no module: only built-ins and operator paths
-            data_roots=settings.allowed_data_roots(),  # image paths inside rows stay under the operator's roots
-        )
-        try:
-            result = trainer.train()
-        except Exception as exc:
-            # a full disk (artifacts, or the store's) ends the run with its path and the space left, not with
-            # whatever the library that hit it calls it ("iostream error", "database or disk is full")
-            full = as_disk_full(exc, settings.artifacts)
-            if full is None:
-                raise
-            raise TrainingError(str(full)) from exc
+        result = _train(attempt, config, out, callbacks, resume=newest is not None)
     except StaleAttempt:
         return EXIT_STALE
     except TrainingError as exc:
         print(f"run {run_id} failed: {exc}", file=sys.stderr)  # the worker's log keeps the whole error
-        return fail(str(exc), f"failed: {str(exc).splitlines()[0][:500]}")
+        return attempt.fail(str(exc), f"failed: {str(exc).splitlines()[0][:500]}")
     except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero
         from collage.app.store.text import exception_line
 
@@ -208,7 +257,7 @@ def main(run_id: str, attempt: int) -> int:
         # admin-only event), everyone else its last line (the run's error and the failure event)
         detail = "".join(traceback.format_exception(exc))
         print(detail, file=sys.stderr, end="")
-        return fail(detail, f"failed: {exception_line(detail)}")
+        return attempt.fail(detail, f"failed: {exception_line(detail)}")
     finally:
         if trackers is not None:
             try:  # a tracker's warning from its final flush reaches the store (a stale attempt exits in there)
@@ -216,14 +265,7 @@ def main(run_id: str, attempt: int) -> int:
             except Exception:  # noqa: BLE001 - the outcome is decided; a lost warning is only logged
                 traceback.print_exc()
         callback.stop_heartbeat()
-    if rank == 0:
-        store.transition(
-            run_id,
-            ACTIVE,
-            RunStatus(result.status),
-            when_attempt=attempt,
-            message=f"{result.status} at step {result.step}",
-        )
+    attempt.finish(result.status, result.step)
     return 0
 
 
