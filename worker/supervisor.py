@@ -222,6 +222,21 @@ def _heartbeat_age(writer: StoreWriter, run_id: str) -> float | None:
     return (utcnow() - (beat if beat.tzinfo else beat.replace(tzinfo=timezone.utc))).total_seconds()
 
 
+def _kill_if_frozen(
+    writer: StoreWriter, proc: subprocess.Popen, run_id: str, attempt: int, heartbeat_timeout: float
+) -> str | None:
+    """Why the training process was killed (None: it beats). Frozen (SIGSTOP, a paused VM) or hung: the reaper
+    would mark it failed, but a process frozen inside a SQLite write transaction holds the store's only write lock,
+    so nobody could write that; killing it releases the lock, and its end is recorded by the caller."""
+    age = _heartbeat_age(writer, run_id)
+    if age is None or age <= heartbeat_timeout:
+        return None
+    frozen = f"stopped beating for {age:.0f}s (frozen or hung) and was killed"
+    log.error("run %s attempt %s: the training process %s", run_id, attempt, frozen)
+    _kill(proc)
+    return frozen
+
+
 def _watch(
     writer: StoreWriter,
     mine: StoreWriter,
@@ -271,14 +286,8 @@ def _watch(
             return None
         if heartbeat_timeout and ready.exists() and time.monotonic() - last_look >= heartbeat_every:
             last_look = time.monotonic()
-            age = _heartbeat_age(writer, run_id)
-            if age is not None and age > heartbeat_timeout:
-                # frozen (SIGSTOP, a paused VM) or hung: the reaper would mark it failed, but a process frozen inside a
-                # SQLite write transaction holds the store's only write lock, so nobody could write that; killing
-                # it releases the lock, and the end is recorded below
-                frozen = f"stopped beating for {age:.0f}s (frozen or hung) and was killed"
-                log.error("run %s attempt %s: the training process %s", run_id, attempt, frozen)
-                _kill(proc)
+            frozen = _kill_if_frozen(writer, proc, run_id, attempt, heartbeat_timeout)
+            if frozen is not None:
                 break
         if state[0] == RunStatus.CANCELLING or stopping:
             cancel_seen = cancel_seen or time.monotonic()
@@ -293,7 +302,14 @@ def _watch(
                 )
                 return RunStatus.CANCELLED
         time.sleep(poll)
-    code = proc.returncode
+    return _record_exit(writer, proc.returncode, run_id, attempt, frozen, stopping, stop)
+
+
+def _record_exit(
+    writer: StoreWriter, code: int, run_id: str, attempt: int, frozen: str | None, stopping: bool, stop: StopFlag | None
+) -> str | None:
+    """The training process has exited: if it did not record how its run ended, record it here (killed, crashed,
+    frozen, or failed with the store's disk full); the run's status as this attempt left it."""
     state = writer.run_state(run_id)
     if state is not None and state[1] == attempt and state[0] in ACTIVE:
         # the child died without saying how it ended
