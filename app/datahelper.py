@@ -27,8 +27,12 @@ import os
 import select
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collage.training.data.rows import RawRow
 
 IDLE_ENV = "COLLAGE_DATA_HELPER_IDLE"
 DEFAULT_IDLE = 600.0
@@ -66,7 +70,7 @@ def _import_stack() -> None:
         import transformers.image_processing_utils  # noqa: F401 - pulls torchvision in, the slowest import
         from transformers import AutoProcessor  # noqa: F401
 
-        import collage.training.batching.inputs
+        import collage.training.batching.encoding
         import collage.training.models.loading  # noqa: F401
     except ImportError as exc:  # a web-only install: a check with a model says so when it is asked for
         print(f"collage data helper: the training stack is not installed ({exc})", file=sys.stderr)
@@ -129,7 +133,7 @@ def check(req: dict[str, Any]) -> dict[str, Any]:
         if model is None:
             return None
         _stack_ready()
-        from collage.training.batching.inputs import PromptEncoder
+        from collage.training.batching.encoding import PromptEncoder
 
         processor, family = _processor(model)
         return PromptEncoder(processor, family, max_prompt_length)
@@ -213,7 +217,7 @@ def preview(req: dict[str, Any]) -> dict[str, Any]:
             "column_names": names, "guess": guess_columns(names)}  # fmt: skip
 
 
-def _column_names(rows: list[Any]) -> list[str]:
+def _column_names(rows: Sequence[RawRow]) -> list[str]:
     return list(dict.fromkeys(str(k) for raw in rows for k in raw.data))
 
 
@@ -267,7 +271,7 @@ def _one_line(exc: BaseException) -> str:
 def answer(line: str) -> dict[str, Any]:
     try:
         req = json.loads(line)
-        op = OPS.get(req.get("op")) if isinstance(req, dict) else None
+        op = OPS.get(req.get("op", "")) if isinstance(req, dict) else None  # no "op": "", which is no op either
         if op is None:
             return {"ok": False, "error": f"unknown request {line[:100]!r}"}
         return {"ok": True, "result": op(req)}

@@ -27,8 +27,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from collage.training.batching.batch import collate
     from collage.training.batching.buckets import block_micro_batches, bucket_rows
-    from collage.training.batching.inputs import PromptEncoder, collate
+    from collage.training.batching.encoding import PromptEncoder
     from collage.training.batching.prefix import prompt_groups
     from collage.training.data.loader import load_dataset
     from collage.training.data.synth import write_synth

@@ -240,6 +240,28 @@ def api(database_url, tmp_path):
     return client, token, dispatcher, app
 
 
+# The fast tier, `pytest -m "not slow"` (a few minutes on 2 cores): every module below is marked slow as a whole:
+# they train tiny models, start servers, workers or Chromium, build wheels, or fuzz the API. CI runs everything.
+SLOW_MODULES = {
+    # servers, workers, browsers, processes (scripts/test.sh runs them beside the rest)
+    "test_workers", "test_dashboard", "test_dash_charts", "test_dash_look", "test_dash_ops", "test_dash_rollouts",
+    "test_trackers", "test_dash_playground", "test_dash_friction", "test_dash_checkpoints", "test_dash_eval",
+    "test_eval_e2e", "test_shutdown", "test_export_worker", "test_playground_worker", "test_cli_runs", "test_faults",
+    "test_lifecycle", "test_supervisor", "test_dispatch_race",
+    # training, generation and model forwards with tiny models; wheels; the API fuzzer
+    "test_training", "test_trl_agreement", "test_eval", "test_rollout_engine", "test_families", "test_tiny_models",
+    "test_vision_features", "test_chunked_logprobs", "test_batching", "test_layouts", "test_checkpoints",
+    "test_export", "test_export_cli", "test_offloop", "test_packaging", "test_api_fuzz", "test_large_data",
+    "test_bring_your_own_data", "test_check",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 # the browser tests' fixtures (a `collage serve` per module, Chromium, a logged-in page): every dashboard test module
 # may ask for them by name; see tests/dashboard_support.py
 from .dashboard_support import browser, page, server  # noqa: E402, F401

@@ -7,15 +7,15 @@ import random
 import pytest
 import torch
 
-from collage.training.batching.inputs import (
+from collage.training.batching.batch import collate
+from collage.training.batching.encoding import (
     PromptEncoder,
     PromptTooLongError,
-    collate,
-    completion_logprobs,
-    generation_kwargs,
     image_span_mask,
     truncate_text_only,
 )
+from collage.training.batching.forward import generation_kwargs
+from collage.training.batching.logprobs import completion_logprobs
 from collage.training.data.loader import load_dataset
 from collage.training.models.families import TINY_FAMILIES
 

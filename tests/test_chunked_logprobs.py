@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from collage.training import algorithms as alg
-from collage.training.batching.inputs import (
-    PromptEncoder,
+from collage.training.batching.batch import collate
+from collage.training.batching.encoding import PromptEncoder
+from collage.training.batching.logprobs import (
     _completion_logits,
     _lm_head_slot,
     chunked_logps_and_entropy,
-    collate,
     completion_logprobs,
     completion_logprobs_and_entropy,
 )
@@ -137,7 +137,7 @@ def test_chunked_helper_on_plain_tensors():
 def _measure(variant: str, chunk: int) -> None:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from collage.training.batching.inputs import ModelBatch
+    from collage.training.batching.batch import ModelBatch
     from collage.training.models.families import FAMILIES
 
     torch.manual_seed(0)

@@ -22,14 +22,10 @@ import yaml
 from PIL import Image
 
 from collage.app.cli import main as cli
-from collage.training.batching.inputs import (
-    PromptEncoder,
-    _tiles_in_image_slots,
-    collate,
-    completion_logprobs,
-    forward_kwargs,
-    model_pixels,
-)
+from collage.training.batching.batch import _tiles_in_image_slots, collate, model_pixels
+from collage.training.batching.encoding import PromptEncoder
+from collage.training.batching.forward import forward_kwargs
+from collage.training.batching.logprobs import completion_logprobs
 from collage.training.data.rows import Sample
 from collage.training.models.families import FAMILIES, IMAGE_INDEXED, TINY_FAMILIES, family_for_model_type
 from collage.training.models.loading import load_processor

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from collage.training.batching.inputs import PromptEncoder
+from collage.training.batching.encoding import PromptEncoder
 from collage.training.callbacks import BackgroundWriter, Callback, RolloutImage
 from collage.training.output import OutputFolder
 from collage.training.trainer import Trainer

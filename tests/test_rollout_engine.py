@@ -10,12 +10,10 @@ import random
 import pytest
 import torch
 
-from collage.training.batching.inputs import (
-    PromptEncoder,
-    collate,
-    completion_logprobs_and_entropy,
-    generation_kwargs,
-)
+from collage.training.batching.batch import collate
+from collage.training.batching.encoding import PromptEncoder
+from collage.training.batching.forward import generation_kwargs
+from collage.training.batching.logprobs import completion_logprobs_and_entropy
 from collage.training.batching.prefix import prompt_groups
 from collage.training.batching.vision import SHARED, VisionFeatures
 from collage.training.data.loader import load_dataset

@@ -34,10 +34,10 @@ import torch
 from PIL import Image
 
 from collage.training import algorithms as alg
-from collage.training.batching.inputs import (
-    PromptEncoder,
+from collage.training.batching.batch import collate
+from collage.training.batching.encoding import PromptEncoder
+from collage.training.batching.logprobs import (
     _completion_logits,
-    collate,
     completion_logprobs,
     completion_logprobs_and_entropy,
 )

@@ -15,8 +15,10 @@ import shutil
 import pytest
 import torch
 
-from collage.training.batching.inputs import PromptEncoder, collate, completion_logprobs
+from collage.training.batching.batch import collate
+from collage.training.batching.encoding import PromptEncoder
 from collage.training.batching.layouts import split_pixels
+from collage.training.batching.logprobs import completion_logprobs
 from collage.training.batching.vision import POLICY, VisionFeatures, _model_inner
 from collage.training.config import LoraSettings, ModelSettings
 from collage.training.data.loader import load_dataset

@@ -226,7 +226,7 @@ _LEGACY_IMAGE_CLASSES = (
 def _safe_globals() -> list[Any]:
     """Everything a trainer state holds beyond tensors, containers and plain values. Imported here, not at the
     top: the trainer imports this module."""
-    from .batching.inputs import ModelBatch
+    from .batching.batch import ModelBatch
     from .callbacks import RolloutImage, RolloutRow
     from .trainer import GenerationBatch
 
@@ -239,7 +239,9 @@ def _safe_globals() -> list[Any]:
         np.dtypes.UInt32DType,
     ]
     images = [_image_from_pixels, *((_PickledImage, name) for name in _LEGACY_IMAGE_CLASSES)]
-    return [*numpy_state, GenerationBatch, ModelBatch, RolloutRow, RolloutImage, *images]
+    # a checkpoint written before training.batching.inputs was split names the batch class by its old module
+    legacy_batch = (ModelBatch, "collage.training.batching.inputs.ModelBatch")
+    return [*numpy_state, GenerationBatch, ModelBatch, legacy_batch, RolloutRow, RolloutImage, *images]
 
 
 def load_state(path: Path) -> dict[str, Any]:

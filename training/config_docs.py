@@ -113,8 +113,15 @@ def key_docs() -> list[KeyDoc]:
         algorithm = "grpo" if in_train and key in GRPO_ONLY else "rloo" if in_train and key in RLOO_ONLY else "both"
         loss_types = LOSS_TYPE_KEYS.get(key) if in_train else None
         docs.append(
-            KeyDoc(path, _type_text(info.annotation), _default_text(path, info), info.description or "", algorithm,
-                   loss_types, _limits(info))  # fmt: skip
+            KeyDoc(
+                path,
+                _type_text(info.annotation),
+                _default_text(path, info),
+                info.description or "",
+                algorithm,
+                loss_types,
+                _limits(info),
+            )  # fmt: skip
         )
     return docs
 

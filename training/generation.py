@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from .batching.inputs import ModelBatch, base_model, generation_kwargs
+from .batching.batch import ModelBatch
+from .batching.forward import base_model, generation_kwargs
 from .models.families import GRID, Family
 
 

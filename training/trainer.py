@@ -24,14 +24,10 @@ from typing import Any, Literal
 import torch
 
 from . import algorithms as alg
+from .batching.batch import ModelBatch, collate
 from .batching.buckets import block_micro_batches, bucket_rows, composition_invariant
-from .batching.inputs import (
-    EncodedPrompt,
-    ModelBatch,
-    PromptEncoder,
-    collate,
-    completion_logprobs_and_entropy,
-)
+from .batching.encoding import EncodedPrompt, PromptEncoder
+from .batching.logprobs import completion_logprobs_and_entropy
 from .batching.vision import POLICY, REFERENCE, SHARED, VisionFeatures
 from .callbacks import Callback, CallbackList, CheckpointInfo, RolloutImage, RolloutRow
 from .checkpoint import (

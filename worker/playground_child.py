@@ -72,7 +72,7 @@ class Loaded:
 
     def encoder(self, max_prompt_length: int | None) -> Any:
         """The prompt encoder with the run's ``max_prompt_length`` (kept: building one scans the vocabulary)."""
-        from collage.training.batching.inputs import PromptEncoder
+        from collage.training.batching.encoding import PromptEncoder
 
         if max_prompt_length not in self.encoders:
             self.encoders[max_prompt_length] = PromptEncoder(self.processor, self.family, max_prompt_length)
@@ -203,7 +203,9 @@ class Playground:
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        from collage.training.batching.inputs import base_model, collate, completion_logprobs_and_entropy
+        from collage.training.batching.batch import collate
+        from collage.training.batching.forward import base_model
+        from collage.training.batching.logprobs import completion_logprobs_and_entropy
         from collage.training.data.rows import RowError
         from collage.training.generation import generate
 

@@ -8,7 +8,7 @@ autograd sums every row's gradient back into its prompt), and the completions ru
 that predict each completion token are the last prompt position's and the completion positions' but the last,
 exactly those of the row-by-row forward.
 
-Positions follow the attention mask as in :func:`~training.batching.inputs.forward_kwargs`. Qwen-VL's 3-D
+Positions follow the attention mask as in :func:`~training.batching.forward.forward_kwargs`. Qwen-VL's 3-D
 positions: the prompt forward computes them (and, per prompt, their offset from plain positions, ``rope_deltas``);
 a completion token's three components are its plain position plus that offset, as Qwen-VL's own decoding does.
 """
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..models.families import GRID, Family
-from .inputs import ModelBatch, _extra_inputs, base_model, forward_kwargs
+from .batch import ModelBatch
+from .forward import base_model, extra_inputs, forward_kwargs
 
 VisionSource = Callable[[ModelBatch], Any]  # a batch -> its images' encoder outputs (or None: the model encodes)
 
@@ -103,6 +104,6 @@ def shared_prompt_hidden(
             positions = positions + deltas.to(device).index_select(0, index)
         positions = positions.unsqueeze(0).expand(3, -1, -1)
     text_only = replace(batch, pixels={})  # the completions carry no image inputs
-    extra = _extra_inputs(ids, text_only, family, image_token_id)
+    extra = extra_inputs(ids, text_only, family, image_token_id)
     rest = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **extra)
     return torch.cat([first, rest.logits], dim=1)

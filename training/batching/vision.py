@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from ..models.families import Family
-from .inputs import base_model, model_pixels
+from .batch import model_pixels
+from .forward import base_model
 from .layouts import Pixels, join_pixels, split_pixels
 
 SHARED = "shared"
@@ -100,7 +101,7 @@ class VisionFeatures:
         self.images_encoded = 0
 
     def encoder_outputs(self, model: Any, batch: Any, scope: str) -> Any | None:
-        """``mm_encoder_outputs["image"]`` for ``batch`` (a :class:`~training.batching.inputs.ModelBatch`),
+        """``mm_encoder_outputs["image"]`` for ``batch`` (a :class:`~training.batching.batch.ModelBatch`),
         encoding only the samples not yet seen in ``scope``; ``None`` when the batch has no images. Samples without
         a content key (a batch restored from an older checkpoint) are encoded the same way, for this call only."""
         if not batch.pixels:

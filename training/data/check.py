@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import Any, Protocol
 
+from ..encoders import prompt_encoder_for
 from ..home import collage_home
 from ..images import ImageRefused, image_file
 from .loader import LoadedDataset, load_dataset
@@ -33,6 +34,25 @@ log = logging.getLogger("collage.training")
 CHECK_CACHE_VERSION = 4
 LARGE_IMAGE_PIXELS = 4096 * 4096  # an image above this is named in the report with what the model makes of it
 SMALL_FILE = 1 << 20  # data files up to this size are fingerprinted by content, larger ones by size and mtime
+
+
+class EncodedCounts(Protocol):
+    """What a check reads of an encoded prompt (a :class:`~training.batching.encoding.EncodedPrompt`)."""
+
+    input_ids: list[int]
+    num_image_tokens: int
+    truncated_tokens: int
+
+
+class RowEncoder(Protocol):
+    """Encodes a sample's prompt for one model (a :class:`~training.batching.encoding.PromptEncoder`). A check is
+    handed one (or a factory of them): this package sits below the batching and model code and imports neither."""
+
+    def encode(self, sample: Sample) -> EncodedCounts: ...
+
+
+# (model, max_prompt_length) -> the encoder of a check with that model; see training.encoders.prompt_encoder_for
+EncoderFactory = Callable[[str, int | None], RowEncoder]
 
 
 @dataclass
@@ -123,8 +143,8 @@ def sample_view(dataset: LoadedDataset, k: int, seed: int) -> LoadedDataset:
     return LoadedDataset(dataset.source, dataset.split, rows, dataset.files, dataset.roots, None, dataset.mapping)
 
 
-def sampled_check(dataset: LoadedDataset, model: str | None, max_prompt_length: int | None, encoder: Any,
-                  k: int, seed: int) -> CheckReport:  # fmt: skip
+def sampled_check(dataset: LoadedDataset, model: str | None, max_prompt_length: int | None,
+                  encoder: RowEncoder | None, k: int, seed: int) -> CheckReport:  # fmt: skip
     """The check of a seeded sample of ``k`` rows (``dataset.check: sample``); never cached (it is quick)."""
     report = run_check(sample_view(dataset, k, seed), model, max_prompt_length, encoder)
     report.sample_of = len(dataset)
@@ -142,23 +162,19 @@ def check_dataset(
     config_name: str | None = None,
     limit: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    encoder_factory: EncoderFactory = prompt_encoder_for,
     **synth_options: Any,
 ) -> CheckReport:
     """Validate every row (the first ``limit`` with a limit: a sample); image paths must lie under ``data_roots``
     (None: unconfined); ``mapping``: the config's column mapping (:class:`~training.data.mapping.RowMapping`).
     Raises :class:`~training.data.loader.DatasetError` only when the source itself cannot be read; row problems
-    are collected in the report. ``progress(done, total)`` is called as rows are checked."""
+    are collected in the report. ``progress(done, total)`` is called as rows are checked. With a ``model``,
+    ``encoder_factory(model, max_prompt_length)`` gives the prompt encoder, only when the cache misses."""
     dataset = load_dataset(source, split, data_roots=data_roots, mapping=mapping, config_name=config_name,
                            limit=limit, **synth_options)  # fmt: skip
 
-    def encoder() -> Any:
-        if model is None:
-            return None
-        from ..batching.inputs import PromptEncoder
-        from ..models.loading import load_processor
-
-        processor, family = load_processor(model)
-        return PromptEncoder(processor, family, max_prompt_length)
+    def encoder() -> RowEncoder | None:
+        return None if model is None else encoder_factory(model, max_prompt_length)
 
     return cached_check(dataset, model, max_prompt_length, encoder, use_cache=use_cache and limit is None,
                         progress=progress)  # fmt: skip
@@ -274,7 +290,7 @@ def cached_check(
     dataset: LoadedDataset,
     model: str | None,
     max_prompt_length: int | None,
-    encoder: Callable[[], Any],
+    encoder: Callable[[], RowEncoder | None],
     use_cache: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> CheckReport:
@@ -302,7 +318,7 @@ def run_check(
     dataset: LoadedDataset,
     model: str | None,
     max_prompt_length: int | None,
-    encoder: Any,
+    encoder: RowEncoder | None,
     progress: Callable[[int, int], None] | None = None,
 ) -> CheckReport:
     """Decode every row and, with an ``encoder`` (a PromptEncoder), encode its prompt."""
@@ -326,7 +342,7 @@ def run_check(
     return report
 
 
-def checked_sample(raw: RawRow, encoder: Any) -> tuple[Sample, Any]:
+def checked_sample(raw: RawRow, encoder: RowEncoder | None) -> tuple[Sample, EncodedCounts | None]:
     """The check of one row: its sample and, with an ``encoder`` (a PromptEncoder), its encoded prompt (else
     None); :class:`RowError` when the row is unusable. The trainer runs it on a drawn row no check covered."""
     sample = raw.to_sample()

@@ -29,7 +29,7 @@ class Family:
     tiny: bool  # whether `collage models build-tiny` can build it offline
     # image_indexed families whose pixel_values holds a variable number of tiles (crops) per image rather than one
     # entry per image: InternVL's dynamic tiling, Gemma 3's pan-and-scan crops. `collate` keeps each sample's
-    # tiles together so the per-image split of the layout stays right (see training.batching.inputs).
+    # tiles together so the per-image split of the layout stays right (see training.batching.batch).
     tiled: bool = False
     # model inputs the batch path derives from the final, padded batch (never from the per-sample encoding, so they
     # cannot drift from the padding): "token_type_ids" (Gemma 3: 1 on image soft tokens, which attend to each other
