@@ -37,7 +37,13 @@ browser=$!
 .venv/bin/python -m pytest -p no:cacheprovider --durations=25 "${processes[@]}" >"$logs/processes.log" 2>&1 &
 processes_job=$!
 status=0
-.venv/bin/python -m pytest -p no:cacheprovider --durations=40 "${ignore[@]}" || status=1
+# the fast tier first (what `pytest -m "not slow"` runs on a laptop), with its coverage of the collage package;
+# then the slow in-process tests
+echo "---- fast tier (-m 'not slow'), with coverage"
+.venv/bin/python -m pytest -p no:cacheprovider -m "not slow" --durations=10 --cov=collage \
+  --cov-report=term:skip-covered "${ignore[@]}" || status=1
+echo "---- fast tier done after $((SECONDS - started)) s; the slow in-process tests"
+.venv/bin/python -m pytest -p no:cacheprovider -m slow --durations=40 "${ignore[@]}" || status=1
 echo "---- in-process tests done after $((SECONDS - started)) s"
 wait "$browser" || status=1
 echo "---- worker, browser and tracker tests"

@@ -252,7 +252,7 @@ SLOW_MODULES = {
     "test_training", "test_trl_agreement", "test_eval", "test_rollout_engine", "test_families", "test_tiny_models",
     "test_vision_features", "test_chunked_logprobs", "test_batching", "test_layouts", "test_checkpoints",
     "test_export", "test_export_cli", "test_offloop", "test_packaging", "test_api_fuzz", "test_large_data",
-    "test_bring_your_own_data", "test_check",
+    "test_bring_your_own_data", "test_check", "test_export_jobs",
 }  # fmt: skip
 
 

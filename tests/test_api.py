@@ -305,6 +305,7 @@ def test_metric_writes_are_idempotent(api):
     }
 
 
+@pytest.mark.slow
 def test_downsampling_keeps_the_shape_and_the_last_point(api):
     client, _, _, app = api
     run = client.post(API + "/runs", json=config()).json()["id"]
@@ -523,6 +524,7 @@ def test_events_warning_count_and_stream(api):
 # ------------------------------------------------------------------------------- datasets and catalog
 
 
+@pytest.mark.slow
 def test_dataset_check_and_preview(api, tmp_path):
     client, _, _, _ = api
     (tmp_path / "ok.png").write_bytes(_png((9, 9, 9)))
@@ -606,6 +608,7 @@ def test_the_app_refuses_an_unmigrated_database(tmp_path):
         create_app(settings, RecordingDispatcher())
 
 
+@pytest.mark.slow
 def test_db_upgrade_and_token_create_cli(tmp_path):
     import os
 
@@ -660,6 +663,7 @@ def test_text_search_is_indexed_on_postgresql(migrated_postgres_url):
     assert mode == "force_custom_plan"
 
 
+@pytest.mark.slow
 def test_downsampled_series_follow_rewrites_and_truncation(api):
     """The rollups behind downsampling always match the raw points: after a rewrite that removes a bucket's
     extreme, and after a resumed run drops the steps past its checkpoint."""

@@ -270,6 +270,7 @@ def test_tracebacks_reach_admins_only(api):
     assert admin.get(f"{API}/runs/{run}").json()["error_detail"] == tb
 
 
+@pytest.mark.slow
 def test_the_training_child_stores_a_one_line_error_and_the_traceback_for_admins(api, tmp_path):
     """A real training process whose reward raises: run.error is one line for everyone."""
     import os

@@ -451,6 +451,7 @@ def _temp_folders(name: str) -> list[Path]:
     return [p for p in cache_dir("datasets").iterdir() if p.name.startswith(name + ".")]
 
 
+@pytest.mark.slow
 def test_a_check_past_its_time_is_killed_and_leaves_no_temp_folder(api):
     from collage.app.routers.datasets import data_helper
 

@@ -232,6 +232,7 @@ def test_health_says_only_ok_without_a_token(api):
     assert detailed["ok"] and detailed["store"]["ok"] and detailed["workers"][0]["queues"] == ["default"]
 
 
+@pytest.mark.slow
 def test_cli_tokens_roles_list_revoke_and_links(tmp_path):
     env = {**os.environ, "COLLAGE_HOME": str(tmp_path), "COLLAGE_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"}
 

@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import psycopg
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event, select, update
 from sqlmodel import Session
@@ -318,6 +319,7 @@ def test_nul_bytes_are_stored_the_same_way_on_both_databases_and_counted(api):
         assert "\x00" not in (session.get(Run, run).error or "")
 
 
+@pytest.mark.slow
 def test_a_training_run_with_nul_bytes_in_its_data_succeeds_on_both_databases(api, tmp_path):
     """A real training step (the worker's child process) on a dataset whose prompts and answers hold NUL bytes:
     PostgreSQL used to fail the run on the samples insert; now both stores keep U+FFFD and say how many."""
