@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
@@ -17,8 +17,11 @@ SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 bearer = HTTPBearer(auto_error=False, description="an API token from `collage token create`")
 
-UNAUTHORIZED = {401: {"description": "missing or invalid API token"}}
-FORBIDDEN = {403: {"description": "the token's role does not allow this"}}
+# the ``responses`` of a route or router: status code -> its OpenAPI description (model, content, description)
+Responses = dict[int | str, dict[str, Any]]
+
+UNAUTHORIZED: Responses = {401: {"description": "missing or invalid API token"}}
+FORBIDDEN: Responses = {403: {"description": "the token's role does not allow this"}}
 
 
 async def optional_token(request: Request) -> ApiToken | None:

@@ -185,7 +185,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 def _cmd_token_list(args: argparse.Namespace) -> int:
     from .store.tokens import list_tokens, usable
 
-    rows = [("NAME", "ROLE", "PREFIX", "CREATED", "LAST USED", "EXPIRES", "STATE")]
+    rows: list[tuple[str, ...]] = [("NAME", "ROLE", "PREFIX", "CREATED", "LAST USED", "EXPIRES", "STATE")]
     for t in list_tokens(_store_engine()):
         state = "revoked" if t.revoked else ("live" if usable(t) else "expired")
         when = [f"{d:%Y-%m-%d %H:%M}" if d else "-" for d in (t.created_at, t.last_used_at, t.expires_at)]
@@ -295,6 +295,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     quiet_library_progress_bars()  # one progress bar, Collage's: a checkpoint save would draw another under it
     config = load_config(args.config, args.set)
+    assert config.name is not None  # load_config names every run (from dataset, algorithm and model when unset)
     out = Path(args.out or Path("out") / config.name)
     if not args.resume and (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size:
         print(

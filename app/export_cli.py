@@ -76,7 +76,9 @@ def export_command(run: str, step: str, merge_lora: bool, out: str, quiet: bool 
             f"checkpoint step {entry.step} of {label} is at {checkpoint}, which is not on this machine (or is "
             "gone): run collage export where the workers' COLLAGE_ARTIFACTS is"
         )
-    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    model = config.get("model")
+    if not isinstance(model, dict):
+        model = {}
     base = model.get("path") if isinstance(model.get("path"), str) else None
     if not base:
         raise CollageError(f"{label}: its config names no model.path, so the base model is unknown")

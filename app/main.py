@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -111,7 +112,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
 
     from .routers import catalog, datasets, health, images, runs, samples, stats, tokens, workers
 
-    routers = (health, runs, samples, stats, images, datasets, catalog, tokens, workers)
+    routers: tuple[ModuleType, ...] = (health, runs, samples, stats, images, datasets, catalog, tokens, workers)
     from .routers import checkpoints, exports  # a run's checkpoints, their downloads and export jobs (issue 18)
 
     routers += (checkpoints, exports)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from collage.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 class ProgressBar(Callback):
     def __init__(self, enabled: bool = True):
         self.enabled = enabled and sys.stderr.isatty()
         self.plain = enabled and not self.enabled  # not a terminal: one line per step instead
-        self.progress = None
-        self.task = None
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
         self.reward = float("nan")
         self.eval_reward: float | None = None
 
@@ -49,6 +53,7 @@ class ProgressBar(Callback):
 
     def on_progress(self, step, max_steps, seconds_per_step):
         if self.progress is not None:
+            assert self.task is not None  # added with the bar
             self.progress.update(self.task, completed=step, reward=self._shown())
         elif self.plain:
             left = (max_steps - step) * (seconds_per_step or 0)
@@ -92,8 +97,8 @@ class CountProgress:
     def __init__(self, what: str):
         self.what = what
         self.tty = sys.stderr.isatty()
-        self.progress = None
-        self.task = None
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
         self.shown_tenth = 0
 
     def update(self, done: int, total: int) -> None:
@@ -105,6 +110,7 @@ class CountProgress:
                                          console=None, transient=True)  # fmt: skip
                 self.progress.start()
                 self.task = self.progress.add_task(self.what, total=total)
+            assert self.task is not None  # added with the bar
             self.progress.update(self.task, completed=done)
             return
         tenth = done * 10 // max(total, 1)

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from sqlmodel import Session
 
 from .. import tarstream
-from ..auth import UNAUTHORIZED, require_token
+from ..auth import UNAUTHORIZED, Responses, require_token
 from ..models import Run
 from ..schemas import CheckpointList, CheckpointOut, ErrorOut, ValidationErrorOut
 from ..store import checkpoints as store
@@ -25,7 +25,7 @@ from .downloads import SlotStream, hold_export_slot
 router = APIRouter(tags=["checkpoints"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 
 TAR = "application/x-tar"
-DOWNLOAD_ERRORS = {
+DOWNLOAD_ERRORS: Responses = {
     404: {"model": ErrorOut, "description": "no such run, or no checkpoint at that step"},
     409: {"model": ErrorOut, "description": "best/last of a run without checkpoints; a folder that may not be read"},
     410: {"model": ErrorOut, "description": "the checkpoint's files are gone"},
@@ -51,7 +51,7 @@ def list_checkpoints(run_id: str, session: Annotated[Session, Depends(get_sessio
             attempt=e.attempt,
             bytes=e.bytes,
             created_at=e.created_at,
-            kind=e.kind if e.kind in ("adapter", "full") else None,  # type: ignore[arg-type]
+            kind=e.kind if e.kind in ("adapter", "full") else None,
             metric=e.metric,
             best=e.best,
             download_url=download_url(run.id, e.step),

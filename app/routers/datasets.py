@@ -43,7 +43,7 @@ from collage.training.data.check import remove_temp_files_of
 from collage.training.data.mapping import parse_columns
 from collage.training.data.synth import remove_temp_folders_of
 
-from ..auth import UNAUTHORIZED, require_token
+from ..auth import UNAUTHORIZED, Responses, require_token
 from ..db import session_scope
 from ..models import ApiToken
 from ..schemas import DatasetCheckOut, DatasetCheckRequest, DatasetPreviewOut, PreviewRow
@@ -59,7 +59,7 @@ router = APIRouter(tags=["datasets"], dependencies=[Depends(require_token)], res
 
 TIMEOUT = 600
 RETRY_AFTER_SECONDS = 5
-BUSY = {
+BUSY: Responses = {
     429: {"description": "too many dataset requests in flight (this token's, or the server's); see Retry-After"},
     503: {"description": "the dataset helper stayed busy with other requests for this request's whole time"},
     504: {"description": "the dataset took longer than the server allows (COLLAGE_PREVIEW_TIMEOUT / _CHECK_TIMEOUT)"},
@@ -444,7 +444,7 @@ async def preview(
 
 
 def _register_images(engine, images: list[dict]) -> None:
-    from ..models import Image, utcnow
+    from ..models import Image, table_of, utcnow
 
     rows = [
         {"sha256": im["sha256"], "width": im["width"], "height": im["height"], "format": "png",
@@ -453,5 +453,5 @@ def _register_images(engine, images: list[dict]) -> None:
     ]  # fmt: skip
     with session_scope(engine) as session:
         session.execute(
-            dialect_insert(session, Image.__table__).on_conflict_do_nothing(index_elements=["sha256"]), rows
+            dialect_insert(session, table_of(Image)).on_conflict_do_nothing(index_elements=["sha256"]), rows
         )

@@ -20,7 +20,7 @@ from starlette.datastructures import UploadFile
 
 from collage.training.images import ImageRefused
 
-from ..auth import UNAUTHORIZED, require_token
+from ..auth import UNAUTHORIZED, Responses, require_token
 from ..db import session_scope
 from ..models import ApiToken, Image, Job, utcnow
 from ..playground import Refused, ResolvedModel, clean_upload, model_summary, prompt_conversation, resolve_model
@@ -51,8 +51,8 @@ UPLOAD_PATH = "/images"
 # what a multipart body carries besides the file itself (boundaries, part headers, a file name)
 MULTIPART_SLACK = 64 << 10
 DECODES = asyncio.Semaphore(4)  # uploads decoded at once per web process (a 40-megapixel image takes ~200 MB)
-INVALID = {422: {"model": ValidationErrorOut, "description": "every bad field, by its path"}}
-NOT_FOUND = {404: {"model": ErrorOut, "description": "no such generation (or not this token's)"}}
+INVALID: Responses = {422: {"model": ValidationErrorOut, "description": "every bad field, by its path"}}
+NOT_FOUND: Responses = {404: {"model": ErrorOut, "description": "no such generation (or not this token's)"}}
 
 
 def upload_body_limit(settings: Settings) -> dict[tuple[str, str], int]:
@@ -326,7 +326,7 @@ def generation_out(request: Request, session: Session, job: Job) -> GenerationOu
     sizes = {sha: (w, h) for sha, w, h in rows} if shas else {}
     return GenerationOut(
         id=job.id,
-        status=shown.value,  # type: ignore[arg-type]
+        status=shown.value,
         queue_position=position,
         message=message,
         progress=job.progress,

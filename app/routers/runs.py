@@ -17,7 +17,7 @@ from sqlmodel import Session, col
 
 from collage.training.config import ConfigError, RunConfig, apply_overrides, parse_config
 
-from ..auth import FORBIDDEN, UNAUTHORIZED, check_may_change, require_token, still_authorised
+from ..auth import FORBIDDEN, UNAUTHORIZED, Responses, check_may_change, require_token, still_authorised
 from ..dataset_probe import probe_errors
 from ..db import session_scope
 from ..models import ENDED, ApiToken, Event, Metric, Run, RunTag, utcnow
@@ -47,9 +47,9 @@ INT_MAX = 2**31 - 1  # steps and counts are 32-bit integers in the store
 
 router = APIRouter(tags=["runs"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 
-NOT_FOUND = {404: {"model": ErrorOut, "description": "no such run"}}
-CONFLICT = {409: {"model": ErrorOut, "description": "not allowed in the run's current status"}}
-INVALID = {422: {"model": ValidationErrorOut, "description": "every bad field, by key path"}}
+NOT_FOUND: Responses = {404: {"model": ErrorOut, "description": "no such run"}}
+CONFLICT: Responses = {409: {"model": ErrorOut, "description": "not allowed in the run's current status"}}
+INVALID: Responses = {422: {"model": ValidationErrorOut, "description": "every bad field, by key path"}}
 
 
 def _validation_error(errors: list[tuple[str, str]]) -> HTTPException:
@@ -208,7 +208,7 @@ def _estimate(request: Request, session: Session, queue: str, position: int) -> 
     if not workers:
         return None
     recent = session.execute(
-        select(Run.config, Run.started_at, Run.finished_at)
+        select(col(Run.config), col(Run.started_at), col(Run.finished_at))
         .where(col(Run.status) == RunStatus.SUCCEEDED, col(Run.started_at).is_not(None))
         .order_by(col(Run.finished_at).desc())
         .limit(RECENT_RUNS * 5)
@@ -225,7 +225,7 @@ def _estimate(request: Request, session: Session, queue: str, position: int) -> 
     busy = {
         r.id: r
         for r in session.execute(
-            select(Run.id, Run.started_at, Run.step, Run.max_steps).where(col(Run.id).in_(busy_ids))
+            select(col(Run.id), col(Run.started_at), col(Run.step), col(Run.max_steps)).where(col(Run.id).in_(busy_ids))
         ).all()
     } if busy_ids else {}  # fmt: skip
     now = utcnow().replace(tzinfo=None)
@@ -409,7 +409,7 @@ def get_metrics(
             description="points per key (default 2000); above it each bucket of steps keeps its min and max",
         ),
     ] = 2000,
-) -> dict[str, list[tuple[int, float | None]]]:
+) -> dict[str, list[list[float | None]]]:  # [step, value] pairs: response_model validates them as tuples
     get_run_or_404(session, run_id)
     names = [k for item in keys or [] for k in item.split(",") if k] or None
     if names and any(len(k) > 100 for k in names):
@@ -458,9 +458,9 @@ def _snapshot(engine, run_id: str, after_step: int) -> tuple[dict[str, Any] | No
         state = {"status": run.status, "step": run.step, "max_steps": run.max_steps, "error": run.error}
         metrics: dict[int, dict[str, float]] = {}
         for step, key, value in session.execute(
-            select(Metric.step, Metric.key, Metric.value)
-            .where(Metric.run_id == run_id, Metric.step > after_step)
-            .order_by(Metric.step)
+            select(col(Metric.step), col(Metric.key), col(Metric.value))
+            .where(col(Metric.run_id) == run_id, col(Metric.step) > after_step)
+            .order_by(col(Metric.step))
             .limit(5000)
         ):
             metrics.setdefault(step, {})[key] = value

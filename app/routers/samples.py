@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from sqlalchemy import select
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from ..auth import UNAUTHORIZED, require_token
 from ..models import Image, Metric
@@ -31,7 +31,9 @@ router = APIRouter(tags=["samples"], dependencies=[Depends(require_token)], resp
 def image_sizes(session: Session, shas: set[str]) -> dict[str, tuple[int, int]]:
     if not shas:
         return {}
-    rows = session.execute(select(Image.sha256, Image.width, Image.height).where(Image.sha256.in_(list(shas))))
+    rows = session.execute(
+        select(col(Image.sha256), col(Image.width), col(Image.height)).where(col(Image.sha256).in_(list(shas)))
+    )
     return {sha: (w, h) for sha, w, h in rows}
 
 
@@ -116,7 +118,7 @@ def list_samples(
     except queries.BadCursor as exc:
         raise HTTPException(400, str(exc)) from exc
     sizes = image_sizes(session, {sha for shas in images.values() for sha in shas})
-    items = [sample_out(r, images[r.id], sizes) for r in rows]
+    items = [sample_out(r, images[queries.row_id(r)], sizes) for r in rows]
     return SamplePage(items=items, next_cursor=next_cursor)
 
 
@@ -197,10 +199,10 @@ def _metric_records(engine, run_id: str):
     while True:
         with Session(engine) as session:  # closed before the rows go out: a slow client holds no connection
             rows = session.execute(
-                select(Metric.step, Metric.key, Metric.value)
-                .where(Metric.run_id == run_id)
-                .where((Metric.step > last[0]) | ((Metric.step == last[0]) & (Metric.key > last[1])))
-                .order_by(Metric.step, Metric.key)
+                select(col(Metric.step), col(Metric.key), col(Metric.value))
+                .where(col(Metric.run_id) == run_id)
+                .where((col(Metric.step) > last[0]) | ((col(Metric.step) == last[0]) & (col(Metric.key) > last[1])))
+                .order_by(col(Metric.step), col(Metric.key))
                 .limit(5000)
             ).all()
         if not rows:

@@ -25,10 +25,10 @@ HistogramField = Literal["completion_length", "reward", "advantage", "num_images
 # integer columns get bins of whole units (edges on integers); the others equal-width bins between min and max
 INTEGER_FIELDS = {"completion_length", "num_images"}
 COLUMNS = {
-    "completion_length": Sample.completion_length,
-    "reward": Sample.reward,
-    "advantage": Sample.advantage,
-    "num_images": Sample.num_images,
+    "completion_length": col(Sample.completion_length),
+    "reward": col(Sample.reward),
+    "advantage": col(Sample.advantage),
+    "num_images": col(Sample.num_images),
 }
 
 
@@ -62,12 +62,12 @@ def bin_values(values: list[float], bins: int, integer: bool) -> tuple[list[floa
     lo, hi = min(values), max(values)
     if integer:
         start, span = math.floor(lo), math.floor(hi) - math.floor(lo) + 1
-        width = max(1, math.ceil(span / bins))
-        n = math.ceil(span / width)
-        edges = [float(start + i * width) for i in range(n + 1)]
+        unit = max(1, math.ceil(span / bins))  # whole units per bin
+        n = math.ceil(span / unit)
+        edges = [float(start + i * unit) for i in range(n + 1)]
         counts = [0] * n
         for v in values:
-            counts[min(n - 1, int((math.floor(v) - start) // width))] += 1
+            counts[min(n - 1, int((math.floor(v) - start) // unit))] += 1
         return edges, counts
     if lo == hi:
         half = max(abs(lo) * 0.1, 0.5)
@@ -110,7 +110,7 @@ def histogram(
     get_run_or_404(session, run_id)
     of_split = (col(Sample.run_id) == run_id, queries.split_is(split, session.get_bind().dialect.name))
     steps = list(
-        session.execute(select(col(Sample.step)).where(*of_split).distinct().order_by(Sample.step)).scalars().all()
+        session.execute(select(col(Sample.step)).where(*of_split).distinct().order_by(col(Sample.step))).scalars().all()
     )
     if step is None:
         if not steps:

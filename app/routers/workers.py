@@ -37,7 +37,9 @@ def list_workers(request: Request, session: Annotated[Session, Depends(get_sessi
     run_ids = {w["current_run"] for w in workers if w["current_run"]}
     runs = {}
     if run_ids:
-        rows = session.execute(select(Run.id, Run.name, Run.status).where(col(Run.id).in_(run_ids))).all()
+        rows = session.execute(
+            select(col(Run.id), col(Run.name), col(Run.status)).where(col(Run.id).in_(run_ids))
+        ).all()
         runs = {r.id: (r.name, r.status) for r in rows}
     now = utcnow()
     items = []

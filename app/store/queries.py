@@ -12,13 +12,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Float, and_, func, literal, literal_column, or_, select, tuple_, type_coerce
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlalchemy.sql import ColumnElement, Select
+from sqlmodel import Session, col
 
-from ..models import Event, Metric, Run, RunTag, Sample, SampleImage
+from ..models import Event, Metric, Run, RunTag, Sample, SampleImage, table_of
 
 PAGE_MAX = 500
 INT64 = 2**63  # ids and integer sort values of a cursor lie in the store's 64-bit range
@@ -96,14 +97,14 @@ def latest_metric(session: Session, run_ids: Sequence[str], key: str) -> dict[st
     if not run_ids:
         return {}
     last = (
-        select(Metric.run_id, func.max(Metric.step).label("step"))
-        .where(Metric.run_id.in_(run_ids), Metric.key == key)
-        .group_by(Metric.run_id)
+        select(col(Metric.run_id), func.max(col(Metric.step)).label("step"))
+        .where(col(Metric.run_id).in_(run_ids), col(Metric.key) == key)
+        .group_by(col(Metric.run_id))
         .subquery()
     )
     rows = session.execute(
-        select(Metric.run_id, Metric.value).join(
-            last, and_(Metric.run_id == last.c.run_id, Metric.step == last.c.step, Metric.key == key)
+        select(col(Metric.run_id), col(Metric.value)).join(
+            last, and_(col(Metric.run_id) == last.c.run_id, col(Metric.step) == last.c.step, col(Metric.key) == key)
         )
     )
     return {run_id: value for run_id, value in rows}
@@ -130,19 +131,23 @@ def eval_rewards(session: Session, runs: Sequence[Run]) -> dict[str, tuple[float
     ids = [r.id for r in runs]
     summary = (
         select(
-            Metric.run_id,
-            func.max(Metric.step).label("step"),
-            func.max(Metric.value).label("high"),
-            func.min(Metric.value).label("low"),
+            col(Metric.run_id),
+            func.max(col(Metric.step)).label("step"),
+            func.max(col(Metric.value)).label("high"),
+            func.min(col(Metric.value)).label("low"),
         )
-        .where(Metric.run_id.in_(ids), Metric.key == EVAL_REWARD)
-        .group_by(Metric.run_id)
+        .where(col(Metric.run_id).in_(ids), col(Metric.key) == EVAL_REWARD)
+        .group_by(col(Metric.run_id))
         .subquery()
     )
     rows = session.execute(
-        select(summary.c.run_id, Metric.value, summary.c.high, summary.c.low).join(
+        select(summary.c.run_id, col(Metric.value), summary.c.high, summary.c.low).join(
             Metric,
-            and_(Metric.run_id == summary.c.run_id, Metric.key == EVAL_REWARD, Metric.step == summary.c.step),
+            and_(
+                col(Metric.run_id) == summary.c.run_id,
+                col(Metric.key) == EVAL_REWARD,
+                col(Metric.step) == summary.c.step,
+            ),
         )
     )
     greater = {r.id: eval_reward_greater_is_better(r.config) for r in runs}
@@ -163,14 +168,14 @@ def list_runs(
     """Newest first; ``key`` signs and checks the cursors."""
     stmt = select(Run)
     if status:
-        stmt = stmt.where(Run.status == status)
+        stmt = stmt.where(col(Run.status) == status)
     if algorithm:
-        stmt = stmt.where(Run.algorithm == algorithm)
+        stmt = stmt.where(col(Run.algorithm) == algorithm)
     if tag:
-        stmt = stmt.where(Run.id.in_(select(RunTag.run_id).where(RunTag.tag == tag)))
+        stmt = stmt.where(col(Run.id).in_(select(col(RunTag.run_id)).where(col(RunTag.tag) == tag)))
     if q:
         like = f"%{_escape_like(q)}%"
-        stmt = stmt.where(or_(Run.name.ilike(like, escape="\\"), Run.id == q))
+        stmt = stmt.where(or_(col(Run.name).ilike(like, escape="\\"), col(Run.id) == q))
     if cursor:
         created, run_id = decode_cursor(cursor, key, ["runs"], 2)
         try:
@@ -180,9 +185,10 @@ def list_runs(
         if not isinstance(run_id, str) or len(run_id) > 32:
             raise BadCursor(NOT_OURS)
         stmt = stmt.where(
-            tuple_(Run.created_at, Run.id) < tuple_(literal(created_at, Run.created_at.type), literal(run_id))
+            tuple_(col(Run.created_at), col(Run.id))
+            < tuple_(literal(created_at, table_of(Run).c.created_at.type), literal(run_id))
         )
-    stmt = stmt.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1)
+    stmt = stmt.order_by(col(Run.created_at).desc(), col(Run.id).desc()).limit(limit + 1)
     runs = list(session.scalars(stmt))
     next_cursor = None
     if len(runs) > limit:
@@ -196,7 +202,7 @@ def run_tags(session: Session, run_ids: Sequence[str]) -> dict[str, list[str]]:
     tags: dict[str, list[str]] = {r: [] for r in run_ids}
     if run_ids:
         for run_id, tag in session.execute(
-            select(RunTag.run_id, RunTag.tag).where(RunTag.run_id.in_(run_ids)).order_by(RunTag.tag)
+            select(col(RunTag.run_id), col(RunTag.tag)).where(col(RunTag.run_id).in_(run_ids)).order_by(col(RunTag.tag))
         ):
             tags[run_id].append(tag)
     return tags
@@ -212,13 +218,13 @@ NULL_SORT = -1e300  # where unscorable rows (reward NULL) sort: below any real r
 REWARD_SORT_PREFIX = "reward."  # sort=reward.<name>: by one reward function's value
 
 SORTS = {
-    "step": Sample.step,
-    "reward": Sample.reward_sort,
-    "advantage": Sample.advantage,
-    "completion_length": Sample.completion_length,
-    "group": Sample.group,
-    "num_images": Sample.num_images,
-    "id": Sample.id,
+    "step": col(Sample.step),
+    "reward": col(Sample.reward_sort),
+    "advantage": col(Sample.advantage),
+    "completion_length": col(Sample.completion_length),
+    "group": col(Sample.group),
+    "num_images": col(Sample.num_images),
+    "id": col(Sample.id),
 }
 
 
@@ -291,7 +297,7 @@ def sort_column(name: str, dialect: str):
     return SORTS[name]
 
 
-def split_is(split: str, dialect: str):
+def split_is(split: str, dialect: str) -> ColumnElement[bool]:
     """The rows of one split. An eval query should read its rows through ``ix_samples_split`` (run_id, split,
     step, id): PostgreSQL's per-value statistics know eval rows are a small part of a run's rows and choose it;
     SQLite's statistics hold one average row count per (run, split), blind to that, and would walk a sort's index
@@ -299,46 +305,51 @@ def split_is(split: str, dialect: str):
     (a no-op at run time) tells SQLite's planner how rare the term is, so it takes the split index."""
     if split not in SPLITS:  # the routes validate it: another value here is a programming error, not "no rows"
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    term = Sample.split == split
+    term = col(Sample.split) == split
     if dialect == "sqlite" and split == "eval":
         return func.likelihood(term, literal_column(repr(EVAL_LIKELIHOOD), Float()))  # a constant, not a parameter
     return term
 
 
-def _apply_filters(stmt, f: SampleFilters, dialect: str):
+_Select = TypeVar("_Select", bound=Select)
+
+
+def _apply_filters(stmt: _Select, f: SampleFilters, dialect: str) -> _Select:
     stmt = stmt.where(split_is(f.split, dialect))
     if f.step is not None:
-        stmt = stmt.where(Sample.step == f.step)
+        stmt = stmt.where(col(Sample.step) == f.step)
     if f.group is not None:
-        stmt = stmt.where(Sample.group == f.group)
+        stmt = stmt.where(col(Sample.group) == f.group)
     if f.dataset_row is not None:
-        stmt = stmt.where(Sample.dataset_row == f.dataset_row)
+        stmt = stmt.where(col(Sample.dataset_row) == f.dataset_row)
     if f.min_step is not None:
-        stmt = stmt.where(Sample.step >= f.min_step)
+        stmt = stmt.where(col(Sample.step) >= f.min_step)
     if f.max_step is not None:
-        stmt = stmt.where(Sample.step <= f.max_step)
-    bounded = Sample.reward if f.reward_name is None else reward_value(f.reward_name, dialect)
+        stmt = stmt.where(col(Sample.step) <= f.max_step)
+    bounded = col(Sample.reward) if f.reward_name is None else reward_value(f.reward_name, dialect)
     if f.min_reward is not None:
         stmt = stmt.where(bounded >= f.min_reward)
     if f.max_reward is not None:
         stmt = stmt.where(bounded <= f.max_reward)
     if f.advantage == "pos":
-        stmt = stmt.where(Sample.advantage > 0)
+        stmt = stmt.where(col(Sample.advantage) > 0)
     elif f.advantage == "neg":
-        stmt = stmt.where(Sample.advantage < 0)
+        stmt = stmt.where(col(Sample.advantage) < 0)
     elif f.advantage == "zero":
-        stmt = stmt.where(Sample.advantage == 0)
+        stmt = stmt.where(col(Sample.advantage) == 0)
     if f.zero_std_groups is not None:
-        stmt = stmt.where(Sample.zero_std == f.zero_std_groups)
+        stmt = stmt.where(col(Sample.zero_std) == f.zero_std_groups)
     if f.truncated is not None:
-        stmt = stmt.where(Sample.truncated == f.truncated)
+        stmt = stmt.where(col(Sample.truncated) == f.truncated)
     if f.min_images is not None:
-        stmt = stmt.where(Sample.num_images >= f.min_images)
+        stmt = stmt.where(col(Sample.num_images) >= f.min_images)
     if f.max_images is not None:
-        stmt = stmt.where(Sample.num_images <= f.max_images)
+        stmt = stmt.where(col(Sample.num_images) <= f.max_images)
     if f.q:
         like = f"%{_escape_like(f.q)}%"
-        stmt = stmt.where(or_(Sample.completion.ilike(like, escape="\\"), Sample.prompt_text.ilike(like, escape="\\")))
+        stmt = stmt.where(
+            or_(col(Sample.completion).ilike(like, escape="\\"), col(Sample.prompt_text).ilike(like, escape="\\"))
+        )
     return stmt
 
 
@@ -358,20 +369,21 @@ def query_samples(
     dialect = session.get_bind().dialect.name
     column = sort_column(name, dialect)
     scope = ["samples", run_id, f"-{name}" if descending else name, filters.split]
-    stmt = select(Sample, column.label("sort_value")).where(Sample.run_id == run_id)
+    stmt = select(Sample, column.label("sort_value")).where(col(Sample.run_id) == run_id)
     stmt = _apply_filters(stmt, filters, dialect)
     if cursor:
         value, last_id = decode_cursor(cursor, key, scope, 2)
         is_float = name in ("reward", "advantage") or name.startswith(REWARD_SORT_PREFIX)
         if not _int_in_range(last_id) or not (_finite_number(value) if is_float else _int_in_range(value)):
             raise BadCursor(NOT_OURS)
-        keyset = tuple_(column, Sample.id)
-        bound = tuple_(literal(float(value) if is_float else value, column.type), literal(last_id, Sample.id.type))
+        keyset = tuple_(column, col(Sample.id))
+        id_type = table_of(Sample).c.id.type
+        bound = tuple_(literal(float(value) if is_float else value, column.type), literal(last_id, id_type))
         stmt = stmt.where(keyset < bound if descending else keyset > bound)
     if descending:
-        stmt = stmt.order_by(column.desc(), Sample.id.desc())
+        stmt = stmt.order_by(column.desc(), col(Sample.id).desc())
     else:
-        stmt = stmt.order_by(column.asc(), Sample.id.asc())
+        stmt = stmt.order_by(column.asc(), col(Sample.id).asc())
     found = session.execute(stmt.limit(limit + 1)).all()
     rows = [r[0] for r in found]
     next_cursor = None
@@ -379,7 +391,7 @@ def query_samples(
         rows = rows[:limit]
         # the sort value as the database computed it, so the next page starts exactly after this row
         next_cursor = encode_cursor([found[limit - 1][1], rows[-1].id], key, scope)
-    return rows, image_shas(session, [r.id for r in rows]), next_cursor
+    return rows, image_shas(session, [row_id(r) for r in rows]), next_cursor
 
 
 COUNT_CAP = 100_000  # a count stops here: "more than 100,000 rows" is all a reader needs, and it stays cheap
@@ -390,9 +402,16 @@ def count_samples(session: Session, run_id: str, filters: SampleFilters, cap: in
     there are more). The count reads an index-ordered LIMIT, so its cost is bounded by ``cap`` rows whatever the
     run's size."""
     dialect = session.get_bind().dialect.name
-    matching = _apply_filters(select(Sample.id).where(Sample.run_id == run_id), filters, dialect).limit(cap + 1)
+    matching = select(col(Sample.id)).where(col(Sample.run_id) == run_id)
+    matching = _apply_filters(matching, filters, dialect).limit(cap + 1)
     found = session.execute(select(func.count()).select_from(matching.subquery())).scalar_one()
     return min(found, cap), found > cap
+
+
+def row_id(sample: Sample) -> int:
+    """A stored sample's id (set once the row is written; the model types it ``int | None`` for new rows)."""
+    assert sample.id is not None
+    return sample.id
 
 
 def image_shas(session: Session, sample_ids: Sequence[int]) -> dict[int, list[str]]:
@@ -400,9 +419,9 @@ def image_shas(session: Session, sample_ids: Sequence[int]) -> dict[int, list[st
     images: dict[int, list[str]] = {sample_id: [] for sample_id in sample_ids}
     if sample_ids:
         links = session.execute(
-            select(SampleImage.sample_id, SampleImage.sha256)
-            .where(SampleImage.sample_id.in_(list(sample_ids)))
-            .order_by(SampleImage.sample_id, SampleImage.position)
+            select(col(SampleImage.sample_id), col(SampleImage.sha256))
+            .where(col(SampleImage.sample_id).in_(list(sample_ids)))
+            .order_by(col(SampleImage.sample_id), col(SampleImage.position))
         )
         for sample_id, sha in links:
             images[sample_id].append(sha)
@@ -420,27 +439,31 @@ def iter_samples(
         stmt = (
             select(Sample)
             .where(
-                Sample.run_id == run_id,
+                col(Sample.run_id) == run_id,
                 split_is(split, engine.dialect.name),
-                tuple_(Sample.step, Sample.id) > tuple_(literal(last[0]), literal(last[1])),
+                tuple_(col(Sample.step), col(Sample.id)) > tuple_(literal(last[0]), literal(last[1])),
             )
-            .order_by(Sample.step, Sample.id)
+            .order_by(col(Sample.step), col(Sample.id))
             .limit(batch)
         )
         with Session(engine) as session:
             rows = list(session.scalars(stmt))
-            images = image_shas(session, [r.id for r in rows])
+            images = image_shas(session, [row_id(r) for r in rows])
         if not rows:
             return
-        yield from ((row, images[row.id]) for row in rows)
-        last = (rows[-1].step, rows[-1].id)
+        yield from ((row, images[row_id(row)]) for row in rows)
+        last = (rows[-1].step, row_id(rows[-1]))
 
 
 # --------------------------------------------------------------------------------------------- metrics
 
 
 def metric_keys(session: Session, run_id: str) -> list[str]:
-    return list(session.scalars(select(Metric.key).where(Metric.run_id == run_id).distinct().order_by(Metric.key)))
+    return list(
+        session.scalars(
+            select(col(Metric.key)).where(col(Metric.run_id) == run_id).distinct().order_by(col(Metric.key))
+        )
+    )
 
 
 def query_metrics(
@@ -457,33 +480,36 @@ def query_metrics(
     out: dict[str, list[list[float | None]]] = {k: [] for k in keys}
     if not keys:
         return out
-    where = [Metric.run_id == run_id, Metric.key.in_(keys)]
+    where = [col(Metric.run_id) == run_id, col(Metric.key).in_(keys)]
     if from_step is not None:
-        where.append(Metric.step >= from_step)
+        where.append(col(Metric.step) >= from_step)
     if to_step is not None:
-        where.append(Metric.step <= to_step)
+        where.append(col(Metric.step) <= to_step)
     if max_points is None:  # every point (the export's view)
         for key, step, value in session.execute(
-            select(Metric.key, Metric.step, Metric.value).where(*where).order_by(Metric.key, Metric.step)
+            select(col(Metric.key), col(Metric.step), col(Metric.value))
+            .where(*where)
+            .order_by(col(Metric.key), col(Metric.step))
         ):
             out[key].append([step, value])
         return out
     # each key's first and last step in range: two index seeks per key, instead of counting every point
     stats = []
     for key in keys:
-        bounded = select(Metric.step).where(*where[:1], Metric.key == key, *where[2:])
-        lo = session.execute(bounded.order_by(Metric.step.asc()).limit(1)).scalar()
+        bounded = select(col(Metric.step)).where(*where[:1], col(Metric.key) == key, *where[2:])
+        lo = session.execute(bounded.order_by(col(Metric.step).asc()).limit(1)).scalar()
         if lo is None:
             continue
-        hi = session.execute(bounded.order_by(Metric.step.desc()).limit(1)).scalar()
+        hi = session.execute(bounded.order_by(col(Metric.step).desc()).limit(1)).scalar()
+        assert hi is not None  # the range held a step (lo) a moment ago
         stats.append((key, hi - lo + 1, lo, hi))  # steps spanned: the point count of a series logged every step
     small = [k for k, n, _, _ in stats if n <= max_points]
     large = {k: (lo, hi) for k, n, lo, hi in stats if n > max_points}
     if small:
         rows = session.execute(
-            select(Metric.key, Metric.step, Metric.value)
-            .where(*where[:1], Metric.key.in_(small), *where[2:])
-            .order_by(Metric.key, Metric.step)
+            select(col(Metric.key), col(Metric.step), col(Metric.value))
+            .where(*where[:1], col(Metric.key).in_(small), *where[2:])
+            .order_by(col(Metric.key), col(Metric.step))
         )
         for key, step, value in rows:
             out[key].append([step, value])
@@ -493,8 +519,9 @@ def query_metrics(
         out.update(downsample(session, run_id, large, max_points))
         # the last point always stays, even when it is neither a minimum nor a maximum (or is NaN)
         lasts = session.execute(
-            select(Metric.key, Metric.step, Metric.value).where(
-                Metric.run_id == run_id, tuple_(Metric.key, Metric.step).in_([(k, hi) for k, (_, hi) in large.items()])
+            select(col(Metric.key), col(Metric.step), col(Metric.value)).where(
+                col(Metric.run_id) == run_id,
+                tuple_(col(Metric.key), col(Metric.step)).in_([(k, hi) for k, (_, hi) in large.items()]),
             )
         )
         for key, step, value in lasts:
@@ -507,9 +534,9 @@ def query_metrics(
 
 
 def query_events(session: Session, run_id: str, after: int | None, limit: int, level: str | None = None) -> list[Event]:
-    stmt = select(Event).where(Event.run_id == run_id)
+    stmt = select(Event).where(col(Event.run_id) == run_id)
     if after is not None:
-        stmt = stmt.where(Event.id > after)
+        stmt = stmt.where(col(Event.id) > after)
     if level:
-        stmt = stmt.where(Event.level == level)
-    return list(session.scalars(stmt.order_by(Event.id).limit(limit)))
+        stmt = stmt.where(col(Event.level) == level)
+    return list(session.scalars(stmt.order_by(col(Event.id)).limit(limit)))

@@ -158,10 +158,10 @@ def _choices(path: str) -> list[str]:
     from typing import get_args
 
     section, _, key = path.rpartition(".")
-    model = RunConfig
+    model: Any = RunConfig  # a section's pydantic model (``X | None`` unwrapped)
     for part in section.split(".") if section else []:
-        model = model.model_fields[part].annotation
-        model = next((a for a in get_args(model) if hasattr(a, "model_fields")), model)
+        annotation = model.model_fields[part].annotation
+        model = next((a for a in get_args(annotation) if hasattr(a, "model_fields")), annotation)
     annotation = model.model_fields[key].annotation
     return [str(a) for a in get_args(annotation)]
 

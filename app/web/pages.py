@@ -16,7 +16,7 @@ from sqlmodel import Session
 from ..auth import may_change
 from ..models import ApiToken, Run
 from ..store.tokens import consume_login_link, verify_token
-from .fields import form_fields, gpus_default
+from .fields import FormField, form_fields, gpus_default
 from .session import CSRF_FIELD, csrf_ok, csrf_token, current_session, end_session, finish_page, start_session
 
 
@@ -138,7 +138,7 @@ def launch_page(request: Request, clone: str | None = None) -> Response:
     except Exception:  # noqa: BLE001 - the store is briefly unavailable: the schema's default
         workers = []
     fields = form_fields(gpus=gpus_default(workers))
-    sections = {}
+    sections: dict[str, list[FormField]] = {}
     for field in fields:
         sections.setdefault(field.section, []).append(field)
     return _render(request, "launch.html", page="launch", sections=sections, clone=clone or "")

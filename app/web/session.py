@@ -16,6 +16,7 @@ import os
 import secrets
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlsplit
 
 from fastapi import Request, Response
@@ -104,7 +105,7 @@ def current_session(request: Request) -> tuple[WebSession, ApiToken] | None:
     """The live session of this request's cookie and its token (``None``: not logged in). Cached per request."""
     cached = getattr(request.state, "web_session", _UNSET)
     if cached is not _UNSET:
-        return cached
+        return cast("tuple[WebSession, ApiToken] | None", cached)  # what this function stored for the request
     raw = request.cookies.get(SESSION_COOKIE)
     found = live_session(request.app.state.engine, hash_secret(raw)) if raw else None
     request.state.web_session = found
