@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 from .diskspace import DiskFull, full_disk_error, space_or_none
-from .errors import CollageError
+from .errors import InputError
 from .private import private_dir, private_tree
 
 # the retention choice (pure, torch-free: the API marks the best checkpoint with it), beside the folder side below
@@ -194,7 +194,7 @@ def save_checkpoint(
 
 
 # ------------------------------------------------------------------------------------------------- reading
-class CheckpointRefused(CollageError, ValueError):
+class CheckpointRefused(InputError):
     """A checkpoint's trainer state holds something a Collage checkpoint never holds."""
 
 
@@ -256,7 +256,7 @@ def load_state(path: Path) -> dict[str, Any]:
         raise CheckpointRefused(
             f"{file}: refused to load this checkpoint: it holds something a Collage checkpoint never holds, so it "
             f"was not written by Collage or was changed since ({first[:300]})"
-        ) from None
+        ) from exc
 
 
 def load_model_weights(model: Any, path: Path, uses_lora: bool) -> None:

@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import CollageError
+from .errors import InputError
 
 
-class ConfigError(CollageError, ValueError):
+class ConfigError(InputError):
     """A bad run config; ``errors`` is a list of ``(path, message)``, one per bad field."""
 
     def __init__(self, errors: list[tuple[str, str]]):
@@ -177,7 +177,7 @@ def template_fields(template: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise ValueError(f"not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
+        raise ValueError(f"not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from exc
     for _, name, spec, conversion in parsed:
         if name is None:
             continue
@@ -1033,7 +1033,7 @@ def parse_config(data: Any) -> RunConfig:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
         errors = format_errors(exc.errors())
-        raise ConfigError(errors) from None
+        raise ConfigError(errors) from exc
 
 
 _NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -1048,7 +1048,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError as exc:
-        raise ConfigError([(key.strip(), f"value {text!r} is not valid YAML: {exc}")]) from None
+        raise ConfigError([(key.strip(), f"value {text!r} is not valid YAML: {exc}")]) from exc
     if isinstance(value, str) and _NUMBER.match(value.strip()):
         value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; every user means the number
     return key.strip(), value
@@ -1127,7 +1127,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ConfigError([("config", f"{file} is not valid YAML: {exc}")]) from None
+        raise ConfigError([("config", f"{file} is not valid YAML: {exc}")]) from exc
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError([("config", f"{file} must hold a mapping of keys")])
@@ -1135,7 +1135,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     try:
         return parse_config(apply_overrides(data, parsed))
     except ConfigError as exc:
-        raise ConfigError(name_override_values(exc.errors, parsed)) from None
+        raise ConfigError(name_override_values(exc.errors, parsed)) from exc
 
 
 def dump_config(config: RunConfig) -> str:

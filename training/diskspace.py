@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CollageError
+from .errors import RunError
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # what libraries say instead of raising OSError(ENOSPC): safetensors (Rust's io::ErrorKind), SQLite, PostgreSQL
@@ -49,7 +49,7 @@ def space(path: Path) -> Space:
     return Space(free=info.f_bavail * info.f_frsize, total=info.f_blocks * info.f_frsize)
 
 
-class DiskFull(CollageError):
+class DiskFull(RunError):
     """A write failed because the file system holding ``where`` is full; ``free``: what is left there, when
     known (:meth:`at` measures it for a local path)."""
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CollageError
+from .errors import InputError
 
 MODEL_FOLDER = "model"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -42,7 +42,7 @@ PEFT_CARD = "README.md"  # peft's model card of the adapter; it names the base a
 Progress = Callable[[float, str], None]
 
 
-class ExportError(CollageError, ValueError):
+class ExportError(InputError):
     """An export that cannot be made: the message says which file or choice and why."""
 
 
@@ -172,7 +172,7 @@ def _adapter(model_dir: Path, base_model: str, dest: Path) -> None:
     try:
         adapter = json.loads(config_file.read_text(encoding="utf-8"))
     except ValueError as exc:
-        raise ExportError(f"{model_dir / ADAPTER_CONFIG}: not valid JSON ({exc})") from None
+        raise ExportError(f"{model_dir / ADAPTER_CONFIG}: not valid JSON ({exc})") from exc
     if not isinstance(adapter, dict):
         raise ExportError(f"{model_dir / ADAPTER_CONFIG}: not a JSON object")
     adapter["base_model_name_or_path"] = base  # where this machine has the base; see the module's note

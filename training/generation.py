@@ -157,5 +157,5 @@ BACKENDS = {"hf": generate}
 def backend(name: str):
     try:
         return BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"train.generation_backend: unknown backend {name!r} (known: {', '.join(BACKENDS)})") from None
+    except KeyError as exc:
+        raise ValueError(f"train.generation_backend: unknown backend {name!r} (known: {', '.join(BACKENDS)})") from exc

@@ -36,6 +36,8 @@ from typing import IO
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .errors import InputError, RunError
+
 # Pillow format ids; the only decoders Collage ever lets Pillow run. MPO has no id of its own: Pillow's JPEG
 # decoder recognises it (and the image's format then reads "MPO")
 RASTER_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
@@ -44,7 +46,7 @@ MAX_FILE_BYTES = 512 << 20  # an image file larger than this is refused unread (
 ROOTS_ENV = "COLLAGE_DATA_ROOTS"
 
 
-class ImageRefused(ValueError):
+class ImageRefused(InputError):
     """An image Collage will not open; the message says why, without naming the row (the caller does)."""
 
 
@@ -52,7 +54,7 @@ class FileMissing(ImageRefused):
     """The (confined) file does not exist: inside the roots, that may be said."""
 
 
-class BudgetExhausted(Exception):
+class BudgetExhausted(RunError):
     """A :class:`ReadBudget` ran out; not a problem of the row itself (a preview stops before it)."""
 
 
@@ -113,8 +115,8 @@ def image_file(value: str, base_dir: Path | None, roots: Sequence[Path] | None) 
         return path
     try:
         real = path.resolve()
-    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
-        raise ImageRefused(outside_message(roots)) from None
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL byte
+        raise ImageRefused(outside_message(roots)) from exc
     if not any(real == root or real.is_relative_to(root) for root in roots):
         raise ImageRefused(outside_message(roots))
     return real
@@ -131,8 +133,8 @@ def read_image_file(path: Path, confined: bool, budget: ReadBudget | None = None
         fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-            raise FileMissing("file not found") from None
-        raise ImageRefused(f"cannot be read: {exc.strerror}") from None
+            raise FileMissing("file not found") from exc
+        raise ImageRefused(f"cannot be read: {exc.strerror}") from exc
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
         if not stat.S_ISREG(st.st_mode):
@@ -158,13 +160,13 @@ def decode_raster(data: bytes, budget: ReadBudget | None = None) -> Image.Image:
     try:
         image = Image.open(io.BytesIO(data), formats=RASTER_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageRefused(f"is too large to decode: {exc}") from None
-    except UnidentifiedImageError:
+        raise ImageRefused(f"is too large to decode: {exc}") from exc
+    except UnidentifiedImageError as exc:
         raise ImageRefused(
             f"is unreadable: not a {FORMAT_NAMES} image (Collage opens only these raster formats)"
-        ) from None
+        ) from exc
     except (OSError, SyntaxError, ValueError, TypeError, EOFError) as exc:
-        raise ImageRefused(f"is unreadable: {_plain(exc)}") from None
+        raise ImageRefused(f"is unreadable: {_plain(exc)}") from exc
     width, height = image.size
     limit = Image.MAX_IMAGE_PIXELS
     if limit is not None and width * height > limit:
@@ -177,9 +179,9 @@ def decode_raster(data: bytes, budget: ReadBudget | None = None) -> Image.Image:
     try:
         image.load()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageRefused(f"is too large to decode: {exc}") from None
+        raise ImageRefused(f"is too large to decode: {exc}") from exc
     except (OSError, SyntaxError, ValueError, TypeError, EOFError) as exc:
-        raise ImageRefused(f"is unreadable: {_plain(exc)}") from None
+        raise ImageRefused(f"is unreadable: {_plain(exc)}") from exc
     return image
 
 

@@ -45,7 +45,7 @@ def apply_lora(model: Any, settings: ModelSettings) -> Any:
     try:
         return get_peft_model(model, config)
     except ValueError as exc:
-        raise ValueError(f"model.lora.target_modules: {exc}") from None
+        raise ValueError(f"model.lora.target_modules: {exc}") from exc
 
 
 def prepare_policy(model: Any, settings: ModelSettings, gradient_checkpointing: bool) -> Any:

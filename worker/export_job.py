@@ -74,7 +74,7 @@ def run_export(context: JobContext) -> dict[str, Any]:
     try:
         config = parse_config(run.config)
     except ConfigError as exc:
-        raise JobFailed(f"run {run_id}'s config no longer validates: {exc.errors[0][0]}: {exc.errors[0][1]}") from None
+        raise JobFailed(f"run {run_id}'s config no longer validates: {exc.errors[0][0]}: {exc.errors[0][1]}") from exc
     if (why := model_violation(config.model.path, settings)) is not None:
         raise JobFailed(f"model.path: {why}")
     root = export_store.exports_root(Path(settings.artifacts)).absolute()

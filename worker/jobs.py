@@ -26,9 +26,9 @@ from collage.app.models import Job
 from collage.app.settings import Settings, get_settings
 from collage.app.status import JobKind, RunStatus
 from collage.app.store import jobs as store
-from collage.training.errors import CollageError
 
 from .celery_app import JOB_TASK_NAME, celery_app
+from .errors import WorkerError
 
 log = logging.getLogger("collage.worker")
 
@@ -39,11 +39,11 @@ HANDLERS: dict[JobKind, str] = {
 }
 
 
-class JobFailed(CollageError, RuntimeError):
+class JobFailed(WorkerError):
     """A job that cannot be done, in the user's words (a missing checkpoint, an image that cannot be read)."""
 
 
-class JobCancelled(CollageError, RuntimeError):
+class JobCancelled(WorkerError):
     """Raised by :meth:`JobContext.check` once the job was cancelled: the task ends it ``cancelled``."""
 
 

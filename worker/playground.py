@@ -38,6 +38,7 @@ from collage.app.status import RunStatus
 from collage.app.store import jobs as store
 from collage.app.trust import reward_violation
 
+from .errors import WorkerError
 from .jobs import JobCancelled, JobContext, JobFailed
 
 log = logging.getLogger("collage.worker")
@@ -47,7 +48,7 @@ POLL = 0.5  # seconds between looks at the job's status while the process works
 PHASES = {"received": 0.05, "loading": 0.1, "generating": 0.4, "scoring": 0.9}
 
 
-class _Gone(Exception):
+class _Gone(WorkerError):
     """The playground process ended; ``acknowledged``: whether it had begun on the request."""
 
     def __init__(self, message: str, acknowledged: bool):
@@ -126,7 +127,7 @@ class PlaygroundProcess:
                 except _Gone as gone:
                     self.proc = None
                     if gone.acknowledged or attempt == 2:
-                        raise JobFailed(f"{what}: {gone}") from None
+                        raise JobFailed(f"{what}: {gone}") from gone
                     log.info("playground process %d was gone before it took the request: starting another", proc.pid)
         raise AssertionError("unreachable")
 
@@ -137,8 +138,8 @@ class PlaygroundProcess:
         try:
             proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            raise _Gone(_ended(proc), acknowledged=False) from None
+        except (BrokenPipeError, OSError) as exc:
+            raise _Gone(_ended(proc), acknowledged=False) from exc
         settings = context.settings
         cancel = Path(request["cancel"])
         deadline = time.monotonic() + settings.playground_timeout

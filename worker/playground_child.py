@@ -35,16 +35,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collage.worker.errors import WorkerError
+
 TTL_ENV = "COLLAGE_PLAYGROUND_TTL"
 PARENT_ENV = "COLLAGE_PLAYGROUND_PARENT"
 WORKDIR_ENV = "COLLAGE_PLAYGROUND_WORKDIR"  # an empty folder to work in (imports are resolved before the move)
 
 
-class Failed(Exception):
+class Failed(WorkerError):
     """A request that cannot be answered, in the user's words."""
 
 
-class Cancelled(Exception):
+class Cancelled(WorkerError):
     """The request's cancel file appeared."""
 
 
@@ -161,7 +163,7 @@ class Playground:
                 processor, family = load_processor(path)
                 model = load_model(path, dtype)
         except (OSError, ValueError) as exc:
-            raise Failed(f"{label}: could not load the model: {str(exc).splitlines()[0][:500]}") from None
+            raise Failed(f"{label}: could not load the model: {str(exc).splitlines()[0][:500]}") from exc
         stop.check()
         if processor.tokenizer.pad_token_id is None:
             raise Failed(f"{label}: the tokenizer has no pad token")
@@ -188,17 +190,17 @@ class Playground:
             try:
                 file = image_file(relative_path(sha), artifacts, roots)
                 refs.append({"bytes": read_image_file(file, confined=True)})
-            except FileMissing:
-                raise Failed(f"{what} is missing from the artifacts store") from None
+            except FileMissing as exc:
+                raise Failed(f"{what} is missing from the artifacts store") from exc
             except (ImageRefused, ValueError) as exc:
-                raise Failed(f"{what} {exc}") from None
+                raise Failed(f"{what} {exc}") from exc
         data = {**(req.get("columns") or {}), "prompt": req["prompt"], "images": refs}
         if req.get("answer") is not None:
             data["answer"] = req["answer"]
         try:
             return RawRow(0, data).to_sample()
         except RowError as exc:
-            raise Failed(_images_named(exc.message, req["images"])) from None
+            raise Failed(_images_named(exc.message, req["images"])) from exc
 
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         import torch
@@ -220,7 +222,7 @@ class Playground:
         try:
             encoded = loaded.encoder(spec.get("max_prompt_length")).encode(sample)
         except RowError as exc:
-            raise Failed(f"{label}: {_images_named(exc.message, req['images'])}") from None
+            raise Failed(f"{label}: {_images_named(exc.message, req['images'])}") from exc
         stop.check()
         model, family, tokenizer = loaded.model, loaded.family, loaded.processor.tokenizer
         encoder = loaded.encoder(spec.get("max_prompt_length"))

@@ -29,9 +29,9 @@ from collage.app.status import ACTIVE, ENDED, RunStatus
 from collage.app.store.faults import store_disk_full
 from collage.app.store.writer import StaleAttempt, StoreWriter
 from collage.training.diskspace import DiskFull
-from collage.training.errors import CollageError
 
 from .child import EXIT_STORE_FULL, NICE_ENV
+from .errors import WorkerError
 from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded
 
 log = logging.getLogger("collage.worker")
@@ -82,7 +82,7 @@ def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str 
     return [*launch, "-m", "collage.worker.child", run.id, str(run.attempt)], env, None
 
 
-class SlotTooSmall(CollageError, RuntimeError):
+class SlotTooSmall(WorkerError):
     pass
 
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CollageError
+from ..errors import InputError
 from .loader import LoadedDataset
 from .rows import RowError
 
 
-class FixError(CollageError, ValueError):
+class FixError(InputError):
     pass
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import CollageError
+from ..errors import InputError
 from ..images import resolve_roots
 from .rows import RawRow, RowError, Sample
 from .rowsource import ArrowRows, ChainRows, JsonlRows, ParquetRows, RowSeq, parse_jsonl_line
@@ -35,7 +35,7 @@ from .rowsource import ArrowRows, ChainRows, JsonlRows, ParquetRows, RowSeq, par
 Roots = tuple[Path, ...] | None
 
 
-class DatasetError(CollageError, ValueError):
+class DatasetError(InputError):
     """The dataset cannot be used; ``errors`` lists every bad row when that is the reason."""
 
     def __init__(self, message: str, errors: list[RowError] | None = None):
@@ -150,7 +150,7 @@ def _load(
         try:
             files = snapshot_files(path, split, config_name) or _split_files(path, split)
         except SnapshotError as exc:
-            raise DatasetError(str(exc)) from None
+            raise DatasetError(str(exc)) from exc
         if limit is None:
             rows = _whole_split(files, roots)
             return _loaded(source, split, rows, files, roots, len(rows), limit)
@@ -265,10 +265,10 @@ def _read_csv(file: Path, offset: int, roots: Roots, limit: int | None) -> tuple
                     continue
                 data = {k: (v if v != "" else None) for k, v in record.items()}
                 rows.append(RawRow(index, data, file.parent, roots))
-    except UnicodeDecodeError:
-        raise DatasetError(f"{file}: not UTF-8 text") from None
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{file}: not UTF-8 text") from exc
     except csv.Error as exc:
-        raise DatasetError(f"{file}: not a CSV file ({exc})") from None
+        raise DatasetError(f"{file}: not a CSV file ({exc})") from exc
     return rows, total
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from PIL import Image
 
-from ..errors import CollageError
+from ..errors import InputError
 from ..images import (
     FileMissing,
     ImageRefused,
@@ -29,7 +29,7 @@ from ..images import (
 ROLES = ("system", "user", "assistant")
 
 
-class RowError(CollageError, ValueError):
+class RowError(InputError):
     """A problem with one dataset row; ``row`` is its 0-based index in the split."""
 
     def __init__(self, row: int, message: str):
@@ -207,21 +207,21 @@ def open_image(
                 shown = _shown(path, base_dir)
                 try:
                     data = read_image_file(file, confined=roots is not None, budget=budget)
-                except FileMissing:
-                    raise RowError(row, f"{what} file not found: {shown}") from None
+                except FileMissing as exc:
+                    raise RowError(row, f"{what} file not found: {shown}") from exc
                 what = f"{what} ({shown})"
             elif budget is not None:
                 budget.take_bytes(len(data))
             image = decode_raster(bytes(data), budget)
         except ImageRefused as exc:
-            raise RowError(row, f"{what} {exc}") from None
+            raise RowError(row, f"{what} {exc}") from exc
         fmt = image.format
         if image.width == 0 or image.height == 0:
             raise RowError(row, f"{what} has zero size ({image.width}x{image.height})")
         try:
             image, changes = as_processor_sees(image)
         except (OSError, ValueError) as exc:  # a mode Pillow cannot convert
-            raise RowError(row, f"{what} cannot be converted to RGB ({exc})") from None
+            raise RowError(row, f"{what} cannot be converted to RGB ({exc})") from exc
         # hashed once here, from the bytes already in memory: rollout rows reference this hash (and, for a PNG the
         # model sees as it is, these bytes) instead of re-encoding the decoded image at every step; a converted
         # image is encoded as the model sees it, once, by the rollout writer

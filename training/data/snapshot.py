@@ -17,12 +17,12 @@ from typing import Any
 
 import yaml
 
-from ..errors import CollageError
+from ..errors import InputError
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
 
 
-class SnapshotError(CollageError, ValueError):
+class SnapshotError(InputError):
     pass
 
 

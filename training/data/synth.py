@@ -29,7 +29,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from ..errors import CollageError
+from ..errors import InputError
 from ..home import cache_dir
 from .rows import RawRow
 
@@ -132,7 +132,7 @@ TASKS: dict[str, Task] = {
 }
 
 
-class SynthError(CollageError, ValueError):
+class SynthError(InputError):
     pass
 
 

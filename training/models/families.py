@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import CollageError
+from ..errors import InputError
 
 GRID = "grid"  # Qwen-VL: flat patch rows for the whole batch + image_grid_thw per image
 IMAGE_INDEXED = "image_indexed"  # LLaVA / Gemma3: one entry per image, no per-sample axis
@@ -142,17 +142,17 @@ FAMILIES: dict[str, Family] = {
 TINY_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.tiny)
 
 
-class UnsupportedModelError(CollageError, ValueError):
+class UnsupportedModelError(InputError):
     pass
 
 
 def family_by_name(name: str) -> Family:
     try:
         return FAMILIES[name]
-    except KeyError:
+    except KeyError as exc:
         raise UnsupportedModelError(
             f"unknown model family {name!r}: known families are {', '.join(sorted(FAMILIES))}"
-        ) from None
+        ) from exc
 
 
 def family_for_model_type(model_type: str) -> Family:

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import CollageError
+from ..errors import RunError
 from ..home import cache_dir
 from .families import Family, UnsupportedModelError, family_for_model_type
 from .tiny import BUILDERS, build_tiny
@@ -19,7 +19,7 @@ from .tiny import BUILDERS, build_tiny
 TINY_PREFIX = "tiny:"
 
 
-class ProcessorError(CollageError, RuntimeError):
+class ProcessorError(RunError):
     pass
 
 

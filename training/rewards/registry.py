@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CollageError
+from ..errors import InputError, RunError
 from .builtins import BUILTINS, completion_text, prompt_text
 
 
-class RewardError(CollageError, RuntimeError):
+class RewardError(RunError):
     """A reward function failed; the message names the function, the sample and carries the traceback."""
 
     def __init__(self, message: str, row: int | None = None, traceback_text: str = ""):
@@ -35,7 +35,7 @@ class RewardError(CollageError, RuntimeError):
         super().__init__(message + (f"\n{traceback_text}" if traceback_text else ""))
 
 
-class UnknownRewardError(CollageError, ValueError):
+class UnknownRewardError(InputError):
     pass
 
 
@@ -137,7 +137,7 @@ def resolve_reward(
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise UnknownRewardError(f"reward {name!r}: cannot import module {module_name!r} ({exc})") from None
+            raise UnknownRewardError(f"reward {name!r}: cannot import module {module_name!r} ({exc})") from exc
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise UnknownRewardError(f"reward {name!r}: module {module_name!r} has no function {attr!r}")

@@ -1,0 +1,9 @@
+"""The worker tier's errors, under :class:`~collage.training.errors.CollageError` (docs/errors.md has the tree)."""
+
+from __future__ import annotations
+
+from collage.training.errors import CollageError
+
+
+class WorkerError(CollageError, RuntimeError):
+    """A worker could not do a job it took: the job's message says why (its own log keeps the detail)."""
