@@ -279,7 +279,7 @@ def test_bucketed_micro_batches_give_the_same_gradients(monkeypatch):
     trimming their padding, and sharing their prompts) gives the optimizer step the gradients TRL's shuffled
     order gives it. (Gradients, not parameters after AdamW: its first update is about lr * sign(g), so float noise
     on a near-zero component flips a whole lr.)"""
-    from collage.training import trainer as trainer_module
+    from collage.training import rollout as rollout_module
     from collage.training.trainer import Trainer
     from tests.test_training import make_config
 
@@ -302,7 +302,7 @@ def test_bucketed_micro_batches_give_the_same_gradients(monkeypatch):
         return seen
 
     bucketed = first_step_grads()
-    monkeypatch.setattr(trainer_module, "composition_invariant", lambda *args: False)
+    monkeypatch.setattr(rollout_module, "composition_invariant", lambda *args: False)
     shuffled = first_step_grads()
     assert bucketed.keys() == shuffled.keys() and bucketed
     assert any(g.abs().max() > 0 for g in bucketed.values())

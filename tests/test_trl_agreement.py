@@ -841,7 +841,7 @@ def test_trainer_shuffle_and_slices_keep_each_rows_advantage_logps_and_pixels(tm
 
     # the first micro-batch's gradient = the sum of its rows' own dapo losses
     policy.zero_grad(set_to_none=True)
-    metrics = trainer._micro_step(gen, 0, sync=True)
+    metrics = trainer.optimization.micro_step(gen, 0, sync=True)
     ours = _grads(policy)
     policy.zero_grad(set_to_none=True)
     total = torch.zeros(())

@@ -138,7 +138,7 @@ def test_reference_logprobs_with_vision_attention_dropout_are_the_reference_mode
     run = make_config(model={"path": str(folder), "dtype": "float32"}, train={"beta": 0.1}, dataset={"min_images": 2})
     trainer = Trainer(run, None, [])
     trainer.setup()
-    assert trainer._scope("reference") == trainer._scope("policy"), "frozen tower: one shared cache"
+    assert trainer.passes.scope("reference") == trainer.passes.scope("policy"), "frozen tower: one shared cache"
     trainer.model.train()  # as in the training loop
     gen = trainer._generate_and_score()
     assert gen.ref_logps is not None

@@ -224,11 +224,11 @@ _LEGACY_IMAGE_CLASSES = (
 
 
 def _safe_globals() -> list[Any]:
-    """Everything a trainer state holds beyond tensors, containers and plain values. Imported here, not at the
-    top: the trainer imports this module."""
+    """Everything a trainer state holds beyond tensors, containers and plain values (imported when a state is
+    read: the batch classes pull in torch-side modules a light import of this one does not need)."""
     from .batching.batch import ModelBatch
     from .callbacks import RolloutImage, RolloutRow
-    from .trainer import GenerationBatch
+    from .generation_batch import GenerationBatch  # pickled under collage.training.trainer (see that module)
 
     reconstruct = importlib.import_module("numpy._core.multiarray")._reconstruct  # how numpy 2 pickles an array
 
