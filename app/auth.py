@@ -10,6 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .models import ApiToken, Run
+from .state import engine_of
 from .store.tokens import TokenRole, active_token, verify_token
 from .web.session import CSRF_HEADER, cross_origin, csrf_ok, current_session, live_session
 
@@ -43,7 +44,7 @@ async def optional_token(request: Request) -> ApiToken | None:
         raise HTTPException(
             401, "missing API token: send 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"}
         )
-    found = await run_in_threadpool(verify_token, request.app.state.engine, token)
+    found = await run_in_threadpool(verify_token, engine_of(request.app), token)
     if found is None:
         raise HTTPException(401, "invalid, expired or revoked API token", {"WWW-Authenticate": "Bearer"})
     request.state.token = found
@@ -54,7 +55,7 @@ def still_authorised(request: Request) -> bool:
     """Whether the credentials this request came with are still good: its browser session (not logged out, not
     expired, its token live) or its bearer token (not revoked, not expired). Reads, never writes: long-lived
     responses (``GET /runs/{id}/stream``) ask every few seconds and end once the answer is no."""
-    engine = request.app.state.engine
+    engine = engine_of(request.app)
     live = getattr(request.state, "web_session", None)
     if live is not None:
         return live_session(engine, live[0].id_hash) is not None
@@ -79,14 +80,23 @@ async def require_token(token: Annotated[ApiToken | None, Depends(optional_token
 
 
 async def require_admin(token: Annotated[ApiToken, Depends(require_token)]) -> ApiToken:
-    if token.role != TokenRole.ADMIN:
+    if not is_admin(token):
         raise HTTPException(403, f"token {token.name!r} is a member token: this needs an admin token")
     return token
 
 
+def is_admin(token: ApiToken) -> bool:
+    return token.role == TokenRole.ADMIN
+
+
+def owns(token: ApiToken, created_by: int | None) -> bool:
+    """Whether ``token`` created what ``created_by`` names (a run, a job); nothing is owned by nobody."""
+    return created_by is not None and created_by == token.id
+
+
 def may_change(token: ApiToken, run: Run) -> bool:
     """Admins change any run; members only the runs they created."""
-    return token.role == TokenRole.ADMIN or (run.created_by is not None and run.created_by == token.id)
+    return is_admin(token) or owns(token, run.created_by)
 
 
 def check_may_change(token: ApiToken, run: Run, action: str) -> None:

@@ -7,19 +7,17 @@ token `collage serve` keeps in ``COLLAGE_HOME/token``.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from collage.training.errors import CollageError
-
+from .errors import WebError
 from .serve_record import resolve_server
-from .settings import get_settings
+from .settings import ClientSettings, get_settings
 
 
-class ApiError(CollageError):
+class ApiError(WebError):
     """A request the server refused or could not answer; ``exit_code`` 1 when it refused this run (no such run,
     not allowed now, not yours), 2 when the command could not talk to it at all (unreachable, bad token)."""
 
@@ -31,8 +29,9 @@ class ApiError(CollageError):
 def resolve_token(explicit: str | None, home: Path | None = None) -> str | None:
     if explicit:
         return explicit
-    if os.environ.get("COLLAGE_TOKEN"):
-        return os.environ["COLLAGE_TOKEN"]
+    from_env = ClientSettings.from_env().token
+    if from_env:
+        return from_env
     path = (home or get_settings().home) / "token"
     return path.read_text().strip() if path.is_file() else None
 
@@ -68,7 +67,7 @@ def call(client: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
     except httpx.HTTPError as exc:
         base = str(client.base_url).removesuffix("/api/v1/").removesuffix("/api/v1")
         raise ApiError(f"cannot reach {base}: {exc} (is `collage serve` running? choose the server with --server "
-                       "or COLLAGE_SERVER)") from None  # fmt: skip
+                       "or COLLAGE_SERVER)") from exc  # fmt: skip
     if response.status_code == 401:
         raise ApiError(f"the server refused the API token: {detail(response)}")
     if response.status_code in (403, 404, 409):

@@ -34,9 +34,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collage.training.data.rows import RawRow
 
-IDLE_ENV = "COLLAGE_DATA_HELPER_IDLE"
-DEFAULT_IDLE = 600.0
-
 _processors: dict[tuple, tuple[Any, Any]] = {}
 
 
@@ -295,7 +292,10 @@ def main() -> int:
     from collage.training.private import private_umask
 
     private_umask()  # the preview images it writes into the artifacts are private
-    idle = float(os.environ.get(IDLE_ENV, DEFAULT_IDLE))
+    from collage.app.settings import get_settings
+
+    # the web process hands its environment on: COLLAGE_DATA_HELPER_IDLE is read here, through Settings
+    idle = get_settings().data_helper_idle
     _import_light()
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # anything a library prints goes to stderr: stdout carries only answers

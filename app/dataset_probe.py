@@ -11,11 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import anyio.from_thread
-from fastapi import HTTPException, Request
+from fastapi import HTTPException
 
 from collage.training.config import RunConfig
 from collage.training.data.mapping import RowMapping
 
+from .dataset_helper import DatasetGate, run_gated
+from .models import ApiToken
+from .settings import Settings
 from .trust import is_local
 
 PROBE_ROWS = 50
@@ -31,14 +34,12 @@ def _mapping(config: RunConfig) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def probe_errors(request: Request, config: RunConfig, token: Any) -> list[tuple[str, str]]:
-    """``(key path, message)`` for what keeps the run's dataset from giving it any rows, read now."""
-    from .routers.datasets import _run_gated  # the helper's gate: one place bounds what dataset reads cost
-
+def probe_errors(gate: DatasetGate, settings: Settings, config: RunConfig, token: ApiToken) -> list[tuple[str, str]]:
+    """``(key path, message)`` for what keeps the run's dataset from giving it any rows, read now. Called from a
+    worker thread (a sync route); the read waits in ``gate``, the one that bounds every dataset read of the app."""
     d = config.dataset
     if d.source.startswith("synth:") or not is_local(d.source):
         return []
-    settings = request.app.state.settings
     job = {
         "op": "probe",
         "source": d.source,
@@ -51,7 +52,7 @@ def probe_errors(request: Request, config: RunConfig, token: Any) -> list[tuple[
         "max_bytes": settings.preview_max_bytes,
     }
     try:
-        report = anyio.from_thread.run(_run_gated, request, token, job, settings.preview_timeout)
+        report = anyio.from_thread.run(run_gated, gate, settings, token, job, settings.preview_timeout)
     except HTTPException as exc:
         if exc.status_code == 400:  # the helper could not read the source: name the key
             return [("dataset.source", str(exc.detail))]

@@ -17,10 +17,10 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, create_engine
 
-from collage.training.errors import CollageError
+from .errors import WebError
 
 
-class DatabaseNotMigrated(CollageError, RuntimeError):
+class DatabaseNotMigrated(WebError, RuntimeError):
     pass
 
 

@@ -31,7 +31,7 @@ def _from_folder(folder: Path) -> tuple[list[store.CheckpointEntry], store.BestR
     try:
         config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise CollageError(f"{folder}: no readable config.yaml, so the base model is unknown ({exc})") from None
+        raise CollageError(f"{folder}: no readable config.yaml, so the base model is unknown ({exc})") from exc
     entries, rule = store.folder_checkpoints(folder)
     return entries, rule, config if isinstance(config, dict) else {}, f"output folder {folder}"
 
@@ -61,7 +61,7 @@ def export_command(run: str, step: str, merge_lora: bool, out: str, quiet: bool 
     try:
         asked = store.parse_step(step)
     except ValueError as exc:
-        raise CollageError(f"--step: {exc}") from None
+        raise CollageError(f"--step: {exc}") from exc
     folder = _output_folder(run)
     if folder is None and ("/" in run or Path(run).expanduser().exists()):  # a path, not a run id
         raise CollageError(f"{run}: not a `collage train` output folder (it has no config.yaml or checkpoints/)")
@@ -69,7 +69,7 @@ def export_command(run: str, step: str, merge_lora: bool, out: str, quiet: bool 
     try:
         entry = store.pick(entries, asked, rule, label)
     except store.CheckpointProblem as exc:
-        raise CollageError(str(exc)) from None
+        raise CollageError(str(exc)) from exc
     checkpoint = Path(entry.path)
     if not (checkpoint / store.MODEL_FOLDER).is_dir():
         raise CollageError(

@@ -14,6 +14,8 @@ from urllib.parse import parse_qsl
 
 from collage.training.config import NUL_MESSAGE
 
+from .errors import WebError
+
 
 async def _send_json(send, status: int, content: Any) -> None:
     body = json.dumps(content).encode()
@@ -69,7 +71,7 @@ class BodySizeLimit:
         await _send_json(send, status, {"detail": detail})
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(WebError):
     """Raised while a body streams in past its limit. FastAPI reads a JSON body inside its own error handling and
     turns this into a 400 "error parsing the body"; app.main maps that 400 back to this 413."""
 

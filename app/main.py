@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.staticfiles import StaticFiles
 
 from collage.training.config import error_message, error_path, format_errors
 
@@ -17,7 +18,7 @@ from .db import check_migrated, engine_for
 from .dispatch import Dispatcher
 from .limits import BodySizeLimit, BodyTooLarge, RefuseNul
 from .settings import Settings, get_settings
-from .store.writer import StoreWriter
+from .state import init_state, settings_of
 from .unavailable import StoreUnavailable
 from .version import collage_version
 
@@ -52,78 +53,105 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         version=collage_version(),
         description="Launch, run and inspect GRPO/RLOO fine-tuning of multi-image VLMs.",
         openapi_url=f"{API}/openapi.json",
-        docs_url=None,  # served below from the vendored Swagger UI: the docs work offline
+        docs_url=None,  # served by _add_api_docs from the vendored Swagger UI: the docs work offline
         redoc_url=None,
     )
-    app.state.settings = settings
-    app.state.engine = engine
-    # the API's writes retry a dropped connection no longer than a request waits for a lock
-    app.state.writer = StoreWriter(engine, settings.artifacts, retry_for=settings.db_lock_timeout)
-    app.state.dispatcher = dispatcher
     Path(settings.artifacts).mkdir(parents=True, exist_ok=True)
-    # innermost: every route's store errors become 503 + Retry-After (a dropped connection retried once for reads)
-    app.add_middleware(StoreUnavailable)
-    from .routers.playground import upload_body_limit
-
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, routes=upload_body_limit(settings))
-    app.add_middleware(RefuseNul)
-    from starlette.staticfiles import StaticFiles
-    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
-
-    from .security_headers import SecurityHeaders
     from .web.session import session_secret
 
-    app.state.secret = session_secret(Path(settings.home))
-    app.state.cursor_key = app.state.secret.encode()  # signs API cursors (HMAC)
+    init_state(app, settings, engine, dispatcher, session_secret(Path(settings.home)))
+    # the order below is the order requests meet them: middleware first, then routes in the order they were added
+    _add_middleware(app, settings)
+    app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
+    _add_exception_handlers(app)
+    _include_api_routers(app)
+    _declare_bearer_auth(app)
+    _add_api_docs(app)
+    from .web import pages
+
+    app.include_router(pages.router)
+    return app
+
+
+def _add_middleware(app: FastAPI, settings: Settings) -> None:
+    """Each one added wraps the ones before it: StoreUnavailable is innermost, the proxy headers outermost."""
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    from .routers.playground import upload_body_limit
+    from .security_headers import SecurityHeaders
+
+    # innermost: every route's store errors become 503 + Retry-After (a dropped connection retried once for reads)
+    app.add_middleware(StoreUnavailable)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, routes=upload_body_limit(settings))
+    app.add_middleware(RefuseNul)
     app.add_middleware(SecurityHeaders)
     # behind a TLS proxy listed in COLLAGE_FORWARDED_ALLOW_IPS, X-Forwarded-Proto makes the request https (Secure
     # cookies); anyone else's forwarded headers are ignored
     app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
-    app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors: list[tuple[str, str]] = []
-        for e in exc.errors():
-            loc = list(e["loc"])
-            if loc == ["body"] and "json" not in request.headers.get("content-type", "json"):
-                ctype = request.headers.get("content-type")
-                errors.append(("body", f"must be a JSON object sent as application/json (got {ctype})"))
-            elif loc[:1] == ["body"]:  # a run config (or another body): the CLI's key paths and wording
-                errors += format_errors([{**e, "loc": loc[1:]}], root="body")
-            else:
-                errors.append((loc_path(loc), error_message(e)))
-        if request.method == "POST" and request.url.path == f"{API}/runs":
-            from .validation import raw_semantic_errors
 
-            seen = {path for path, _ in errors}
-            errors += [(p, m) for p, m in raw_semantic_errors(exc.body, request.app.state.settings) if p not in seen]
-        return validation_response(errors)
+def _add_exception_handlers(app: FastAPI) -> None:
+    app.exception_handler(RequestValidationError)(_validation)
+    app.exception_handler(StarletteHTTPException)(_http)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
-            # JSON nested thousands deep stops the parser itself: still a field-level 422, never a 500
-            return validation_response([("body", "nested too deeply to parse (at most 32 levels are allowed)")])
-        if exc.status_code == 400 and isinstance(exc.__cause__, BodyTooLarge):
-            # a body without Content-Length that grew past its limit while FastAPI parsed it as JSON
-            return JSONResponse(status_code=413, content={"detail": str(exc.__cause__)})
-        return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=exc.headers)
 
-    from .routers import catalog, datasets, health, images, runs, samples, stats, tokens, workers
+async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """Every bad field of a request as ``{"path", "message"}``, a run config's in the CLI's key paths and wording."""
+    errors: list[tuple[str, str]] = []
+    for e in exc.errors():
+        loc = list(e["loc"])
+        if loc == ["body"] and "json" not in request.headers.get("content-type", "json"):
+            ctype = request.headers.get("content-type")
+            errors.append(("body", f"must be a JSON object sent as application/json (got {ctype})"))
+        elif loc[:1] == ["body"]:  # a run config (or another body): the CLI's key paths and wording
+            errors += format_errors([{**e, "loc": loc[1:]}], root="body")
+        else:
+            errors.append((loc_path(loc), error_message(e)))
+    if request.method == "POST" and request.url.path == f"{API}/runs":
+        from .validation import raw_semantic_errors
+
+        seen = {path for path, _ in errors}
+        errors += [(p, m) for p, m in raw_semantic_errors(exc.body, settings_of(request.app)) if p not in seen]
+    return validation_response(errors)
+
+
+async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+        # JSON nested thousands deep stops the parser itself: still a field-level 422, never a 500
+        return validation_response([("body", "nested too deeply to parse (at most 32 levels are allowed)")])
+    if exc.status_code == 400 and isinstance(exc.__cause__, BodyTooLarge):
+        # a body without Content-Length that grew past its limit while FastAPI parsed it as JSON
+        return JSONResponse(status_code=413, content={"detail": str(exc.__cause__)})
+    return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=exc.headers)
+
+
+def _include_api_routers(app: FastAPI) -> None:
+    """Every API router under ``/api/v1``, in this order (the OpenAPI schema lists their paths in it)."""
+    from .routers import (
+        catalog,
+        checkpoints,
+        datasets,
+        exports,
+        health,
+        images,
+        playground,
+        runs,
+        samples,
+        stats,
+        tokens,
+        workers,
+    )
 
     routers: tuple[ModuleType, ...] = (health, runs, samples, stats, images, datasets, catalog, tokens, workers)
-    from .routers import checkpoints, exports  # a run's checkpoints, their downloads and export jobs (issue 18)
+    routers += (checkpoints, exports)  # a run's checkpoints, their downloads and export jobs (issue 18)
+    routers += (playground,)
+    for module in routers:
+        app.include_router(module.router, prefix=API)
 
-    routers += (checkpoints, exports)
-    for router in (module.router for module in routers):
-        app.include_router(router, prefix=API)
-    from .routers import playground
 
-    app.include_router(playground.router, prefix=API)
-
-    # the token check is a plain function (app/auth.py), so the schema would not say that routes take a bearer
-    # token: declared here, Swagger UI shows its Authorize button and sends the token with "Try it out"
+def _declare_bearer_auth(app: FastAPI) -> None:
+    """The token check is a plain function (app/auth.py), so the schema would not say that routes take a bearer
+    token: declared here, Swagger UI shows its Authorize button and sends the token with "Try it out"."""
     plain_openapi = app.openapi
 
     def openapi_with_bearer() -> dict[str, Any]:
@@ -144,14 +172,11 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
 
     app.openapi = openapi_with_bearer  # type: ignore[method-assign]
 
+
+def _add_api_docs(app: FastAPI) -> None:
     @app.get(f"{API}/docs", include_in_schema=False)
     def api_docs() -> HTMLResponse:
         return HTMLResponse(api_docs_html(app.title, app.openapi_url or f"{API}/openapi.json"))
-
-    from .web import pages
-
-    app.include_router(pages.router)
-    return app
 
 
 SWAGGER_UI = "/static/vendor/swagger-ui-5.35.0"

@@ -21,6 +21,7 @@ from collage.training.data.rows import RowError, normalise_prompt
 from collage.training.images import RASTER_FORMATS, ImageRefused, decode_raster
 from collage.training.models.families import TINY_FAMILIES
 
+from .errors import WebError
 from .models import Run
 from .settings import Settings
 from .store import checkpoints as checkpoint_store
@@ -40,7 +41,7 @@ BASE_REWARDS: tuple[dict[str, Any], ...] = (
 )
 
 
-class Refused(Exception):
+class Refused(WebError):
     """A request the playground cannot take: ``status`` (404, 409, 413, 422), the request field, the reason."""
 
     def __init__(self, status: int, path: str, message: str):
@@ -79,12 +80,12 @@ def clean_upload(data: bytes, max_pixels: int) -> CleanImage:
     try:
         with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as probe:
             fmt, (width, height) = probe.format or "", probe.size
-    except UnidentifiedImageError:
-        raise ImageRefused(f"is not a {UPLOAD_FORMAT_NAMES} image (the playground takes only these formats)") from None
+    except UnidentifiedImageError as exc:
+        raise ImageRefused(f"is not a {UPLOAD_FORMAT_NAMES} image (the playground takes only these formats)") from exc
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageRefused(f"is too large to decode: {exc}") from None
+        raise ImageRefused(f"is too large to decode: {exc}") from exc
     except (OSError, SyntaxError, ValueError, TypeError, EOFError) as exc:
-        raise ImageRefused(f"is unreadable: {exc}") from None
+        raise ImageRefused(f"is unreadable: {exc}") from exc
     if width * height > max_pixels:
         raise ImageRefused(
             f"is {width}x{height} pixels, more than the {max_pixels} an upload may have (COLLAGE_UPLOAD_MAX_PIXELS; "
@@ -97,7 +98,7 @@ def clean_upload(data: bytes, max_pixels: int) -> CleanImage:
         upright = ImageOps.exif_transpose(image) or image
         rgb = _rgb(upright)
     except (OSError, ValueError) as exc:
-        raise ImageRefused(f"has pixels that cannot be turned into RGB (mode {image.mode}): {exc}") from None
+        raise ImageRefused(f"has pixels that cannot be turned into RGB (mode {image.mode}): {exc}") from exc
     bare = Image.frombytes("RGB", rgb.size, rgb.tobytes())  # a new image: none of the original's metadata
     buf = io.BytesIO()
     bare.save(buf, format="PNG")
@@ -122,7 +123,7 @@ def prompt_conversation(prompt: str | list[dict[str, Any]], num_images: int) -> 
         try:
             return normalise_prompt(0, prompt, num_images), in_order
         except RowError as exc:
-            raise Refused(422, "prompt", exc.message.replace("the row has", "the request has")) from None
+            raise Refused(422, "prompt", exc.message.replace("the row has", "the request has")) from exc
     marks = [int(m.group(1)) for m in MARKER.finditer(prompt)]
     if not marks:
         return normalise_prompt(0, prompt, num_images), in_order
@@ -173,7 +174,7 @@ def _run_config(run: Run) -> RunConfig:
     try:
         return parse_config(run.config)
     except ConfigError as exc:
-        raise Refused(409, "models", f"run {run.id}'s stored config no longer loads: {exc}") from None
+        raise Refused(409, "models", f"run {run.id}'s stored config no longer loads: {exc}") from exc
 
 
 def find_checkpoint(
@@ -186,7 +187,7 @@ def find_checkpoint(
     try:
         entry = checkpoint_store.pick(entries, step, checkpoint_store.BestRule.of_config(run.config), f"run {run.id}")
     except checkpoint_store.CheckpointProblem as exc:
-        raise Refused(exc.status, where, str(exc)) from None
+        raise Refused(exc.status, where, str(exc)) from exc
     if checkpoint_store.checkpoint_folder(entry.path, settings.artifacts, run.id) is None:
         raise Refused(409, where, f"run {run.id}'s checkpoint at step {entry.step} is not in the run's own folder")
     return entry

@@ -78,6 +78,7 @@ def quiet_library_progress_bars() -> None:
     processes and the dataset helper inherit it; a value the user set stays."""
     import os
 
+    # written, never read as configuration: these are the libraries' own switches, inherited by the children
     for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ.setdefault(name, "1")
     import importlib

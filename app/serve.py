@@ -99,7 +99,8 @@ class WorkerPool(threading.Thread):
     def _spawn(self, name: str) -> None:
         # the worker ends when `collage serve` does, even on kill -9 of serve: seeing COLLAGE_PARENT_PID, it asks
         # the kernel for SIGTERM on serve's death (PR_SET_PDEATHSIG, set by the worker itself after exec: a
-        # preexec_fn may deadlock in a fork from this threaded process) and also watches for it
+        # preexec_fn may deadlock in a fork from this threaded process) and also watches for it. Process plumbing,
+        # not configuration: the child inherits serve's environment (its Settings come from there) plus this mark
         env = {**os.environ, "COLLAGE_PARENT_PID": str(os.getpid())}
         self.children[name] = subprocess.Popen(
             [sys.executable, "-m", "collage.app.cli", "worker", "--quiet", "--name", name], env=env

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from .settings import ClientSettings
+
 FALLBACK_URL = "http://127.0.0.1:8000"
 FOLDER = "serve"
 
@@ -138,7 +140,7 @@ def record_for(home: Path, url: str) -> ServeRecord | None:
 
 def resolve_server(explicit: str | None, home: Path) -> str:
     """``--server``, else ``$COLLAGE_SERVER``, else the running serve's URL, else http://127.0.0.1:8000."""
-    chosen = explicit or os.environ.get("COLLAGE_SERVER")
+    chosen = explicit or ClientSettings.from_env().server
     if not chosen:
         record = find(home)
         chosen = record.url if record is not None else FALLBACK_URL

@@ -1,10 +1,15 @@
 """Settings from the environment (contract: COLLAGE_HOME, COLLAGE_DATABASE_URL, COLLAGE_BROKER_URL,
-COLLAGE_ARTIFACTS). Read once per process through :func:`get_settings`."""
+COLLAGE_ARTIFACTS). Read once per process through :func:`get_settings`.
+
+The one place in ``collage.app`` that reads configuration from the environment: the operator's (:class:`Settings`)
+and the command-line client's (:class:`ClientSettings`). Other modules take a Settings, or pass the environment on
+to a child process untouched."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,6 +47,8 @@ ENV_VARS = (
     "COLLAGE_UPLOAD_MAX_BYTES",
     "COLLAGE_UPLOAD_MAX_PIXELS",
     "COLLAGE_UPLOAD_QUOTA_MB",
+    # the dataset helper (app/datahelper.py), read in the helper process itself
+    "COLLAGE_DATA_HELPER_IDLE",
 )
 
 
@@ -54,6 +61,11 @@ def _paths(value: str | None) -> tuple[Path, ...]:
     return tuple(Path(v).expanduser() for v in (value or "").split(os.pathsep) if v.strip())
 
 
+def home_from(environ: Mapping[str, str]) -> Path:
+    """COLLAGE_HOME as ``environ`` sets it (default ``~/.collage``): also the home of a child given that environment."""
+    return Path(environ.get("COLLAGE_HOME") or Path.home() / ".collage").expanduser()
+
+
 EMBEDDED_TRAIN_NICE = 10
 
 
@@ -63,8 +75,8 @@ def _nice(value: str | None) -> int | None:
         return None
     try:
         nice = int(value)
-    except ValueError:
-        raise ValueError(f"COLLAGE_TRAIN_NICE: {value!r} is not a whole number (a nice value, 0 to 19)") from None
+    except ValueError as exc:
+        raise ValueError(f"COLLAGE_TRAIN_NICE: {value!r} is not a whole number (a nice value, 0 to 19)") from exc
     if not 0 <= nice <= 19:
         raise ValueError(f"COLLAGE_TRAIN_NICE: {nice} is out of range (a nice value, 0 to 19)")
     return nice
@@ -113,6 +125,8 @@ class Settings:
     upload_max_bytes: int = 10 << 20  # an uploaded image file above this is refused (413) while it is read
     upload_max_pixels: int = 40_000_000  # an upload whose header announces more pixels is refused before decoding
     upload_quota_mb: int = 200  # megabytes of (re-encoded) uploads one token may keep (429 beyond)
+    # seconds the dataset helper (the child that answers previews and checks) waits for a request, then exits
+    data_helper_idle: float = 600.0
 
     def training_nice(self, embedded: bool) -> int:
         if self.train_nice is not None:
@@ -127,7 +141,7 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        home = Path(os.environ.get("COLLAGE_HOME") or Path.home() / ".collage").expanduser()
+        home = home_from(os.environ)
         database_url = os.environ.get("COLLAGE_DATABASE_URL") or f"sqlite:///{home / 'collage.db'}"
         broker_url = os.environ.get("COLLAGE_BROKER_URL") or f"sqla+sqlite:///{home / 'broker.db'}"
         artifacts = Path(os.environ.get("COLLAGE_ARTIFACTS") or home / "artifacts").expanduser()
@@ -162,9 +176,29 @@ class Settings:
             upload_max_bytes=int(os.environ.get("COLLAGE_UPLOAD_MAX_BYTES", 10 << 20)),
             upload_max_pixels=int(os.environ.get("COLLAGE_UPLOAD_MAX_PIXELS", 40_000_000)),
             upload_quota_mb=int(os.environ.get("COLLAGE_UPLOAD_QUOTA_MB", 200)),
+            data_helper_idle=float(os.environ.get("COLLAGE_DATA_HELPER_IDLE", 600.0)),
         )
 
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings.from_env()
+
+
+# the command-line client's variables (`collage runs`, `collage submit`, `collage token link`): the user's, not the
+# operator's, so not in ENV_VARS (a deployment never sets them)
+CLIENT_ENV_VARS = ("COLLAGE_SERVER", "COLLAGE_TOKEN")
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """What the command-line client reads from the environment: the server to talk to and the token to send (an
+    empty variable counts as unset). Read at each call, never cached: a shell (or a test) may change them between
+    two calls in one process."""
+
+    server: str | None = None
+    token: str | None = field(default=None, repr=False)  # a secret: never in a log line or a traceback's locals
+
+    @classmethod
+    def from_env(cls) -> ClientSettings:
+        return cls(server=os.environ.get("COLLAGE_SERVER") or None, token=os.environ.get("COLLAGE_TOKEN") or None)

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import WebError
+
 CHUNK = 1 << 20  # bytes read and sent at a time
 BLOCK = tarfile.BLOCKSIZE  # 512
 RECORD = tarfile.RECORDSIZE  # 10240: the archive's length is a multiple of it, as tar writes it
@@ -33,7 +35,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEX
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
-class UnsafeFolder(Exception):
+class UnsafeFolder(WebError):
     """The folder holds something a download must not follow or cannot hold (a link, a device, a FIFO)."""
 
 
@@ -89,7 +91,7 @@ def plan(root: Path, prefix: str) -> Plan:
         fd = _open_dir(None, root)
     except OSError as exc:
         if isinstance(exc, NotADirectoryError) or exc.errno == errno.ELOOP:  # a file, or a link put in its place
-            raise UnsafeFolder(f"{root.name} is not a folder") from None
+            raise UnsafeFolder(f"{root.name} is not a folder") from exc
         raise
     entries: list[Entry] = []
     try:
@@ -153,7 +155,7 @@ def stream(folder: Plan) -> Iterator[bytes]:
             try:
                 fd = _open_file(root_fd, entry.parts)
             except OSError as exc:
-                raise UnsafeFolder(f"{'/'.join(entry.parts)} changed during the download: {exc.strerror}") from None
+                raise UnsafeFolder(f"{'/'.join(entry.parts)} changed during the download: {exc.strerror}") from exc
             try:
                 info = os.fstat(fd)
                 if not stat.S_ISREG(info.st_mode) or info.st_size != entry.size:

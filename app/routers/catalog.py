@@ -5,12 +5,13 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
 from collage.training.models.families import FAMILIES, TINY_FAMILIES
 from collage.training.rewards.builtins import BUILTINS
 
 from ..auth import UNAUTHORIZED, require_token
+from ..deps import SettingsDep
 from ..schemas import FamilyInfo, ModelsOut, RewardInfo, RewardsOut
 from ..trust import confined
 
@@ -18,8 +19,7 @@ router = APIRouter(tags=["catalog"], dependencies=[Depends(require_token)], resp
 
 
 @router.get("/rewards", response_model=RewardsOut)
-def rewards(request: Request) -> RewardsOut:
-    settings = request.app.state.settings
+def rewards(settings: SettingsDep) -> RewardsOut:
     modules = ", ".join(settings.reward_modules) or "none: the operator has allowlisted no module"
     roots = ", ".join(str(r) for r in settings.allowed_model_roots())
     return RewardsOut(
@@ -47,7 +47,7 @@ def _local_models(roots: tuple[Path, ...]) -> list[str]:
 
 
 @router.get("/models", response_model=ModelsOut)
-def models(request: Request) -> ModelsOut:
+def models(settings: SettingsDep) -> ModelsOut:
     families = [
         FamilyInfo(name=f.name, layout=f.layout, tiny=f.tiny, model_types=list(f.model_types))
         for f in FAMILIES.values()
@@ -55,5 +55,5 @@ def models(request: Request) -> ModelsOut:
     return ModelsOut(
         families=families,
         tiny=[f"tiny:{n}" for n in TINY_FAMILIES],
-        local=_local_models(request.app.state.settings.allowed_model_roots()),
+        local=_local_models(settings.allowed_model_roots()),
     )

@@ -8,18 +8,20 @@ without following a link (``app/tarstream.py``). Torch-free: the web node serves
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException
 from sqlmodel import Session
 
 from .. import tarstream
 from ..auth import UNAUTHORIZED, Responses, require_token
+from ..deps import ExportSlotsDep, SessionDep, SettingsDep, StreamSessionDep
 from ..models import Run
 from ..schemas import CheckpointList, CheckpointOut, ErrorOut, ValidationErrorOut
+from ..settings import Settings
 from ..store import checkpoints as store
-from .common import API, get_run_or_404, get_session
+from .common import API, get_run_or_404
 from .downloads import SlotStream, hold_export_slot
 
 router = APIRouter(tags=["checkpoints"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
@@ -40,7 +42,7 @@ def download_url(run_id: str, step: int | str) -> str:
 
 
 @router.get("/runs/{run_id}/checkpoints", response_model=CheckpointList, responses={404: {"model": ErrorOut}})
-def list_checkpoints(run_id: str, session: Annotated[Session, Depends(get_session)]) -> CheckpointList:
+def list_checkpoints(run_id: str, session: SessionDep) -> CheckpointList:
     """The run's checkpoints in step order: step, the attempt that wrote it, its model folder's size, when,
     `adapter` (LoRA) or `full`, the value of `train.metric_for_best_model` at that step, and which one is best."""
     run = get_run_or_404(session, run_id)
@@ -65,7 +67,7 @@ def asked_step(text: str) -> store.StepChoice:
     try:
         return store.parse_step(text)
     except ValueError as exc:
-        raise HTTPException(422, [{"path": "path.step", "message": str(exc)}]) from None
+        raise HTTPException(422, [{"path": "path.step", "message": str(exc)}]) from exc
 
 
 def resolve(session: Session, run: Run, asked: store.StepChoice) -> store.CheckpointEntry:
@@ -74,7 +76,7 @@ def resolve(session: Session, run: Run, asked: store.StepChoice) -> store.Checkp
     try:
         return store.pick(entries, asked, store.BestRule.of_config(run.config), f"run {run.id}")
     except store.CheckpointProblem as exc:
-        raise HTTPException(exc.status, str(exc)) from None
+        raise HTTPException(exc.status, str(exc)) from exc
 
 
 def model_folder(entry: store.CheckpointEntry, artifacts: Path, run_id: str) -> Path:
@@ -94,18 +96,18 @@ def model_folder(entry: store.CheckpointEntry, artifacts: Path, run_id: str) -> 
     return model
 
 
-def tar_response(request: Request, root: Path, name: str) -> SlotStream:
+def tar_response(slots: threading.BoundedSemaphore, settings: Settings, root: Path, name: str) -> SlotStream:
     """``root`` as a streamed tar download named ``name.tar`` (everything under the folder ``name/``), holding one of
-    the web process's export slots while it streams."""
-    release = hold_export_slot(request)
+    the web process's export ``slots`` while it streams."""
+    release = hold_export_slot(slots, settings)
     try:
         plan = tarstream.plan(root, name)
     except tarstream.UnsafeFolder as exc:
         release()
-        raise HTTPException(409, f"{name}: {exc}: refused") from None
-    except FileNotFoundError:
+        raise HTTPException(409, f"{name}: {exc}: refused") from exc
+    except FileNotFoundError as exc:
         release()
-        raise HTTPException(410, f"{name}: its files are gone") from None
+        raise HTTPException(410, f"{name}: its files are gone") from exc
     except BaseException:
         release()
         raise
@@ -114,12 +116,17 @@ def tar_response(request: Request, root: Path, name: str) -> SlotStream:
 
 
 @router.get("/runs/{run_id}/checkpoints/{step}/download", responses=DOWNLOAD_ERRORS)
-def download_checkpoint(run_id: str, step: str, request: Request) -> SlotStream:
+def download_checkpoint(
+    run_id: str,
+    step: str,
+    session: StreamSessionDep,  # closed when this returns, before the tar streams: a download holds no connection
+    settings: SettingsDep,
+    slots: ExportSlotsDep,
+) -> SlotStream:
     """The model folder of the checkpoint at `step` (a number, `best` or `last`) as a tar archive, streamed: a
     folder `<run>-step-<N>/` holding the weights (or the LoRA adapter), the config and the processor's files."""
     asked = asked_step(step)
-    with Session(request.app.state.engine) as session:  # closed before streaming: a download holds no connection
-        run = get_run_or_404(session, run_id)
-        entry = resolve(session, run, asked)
-    root = model_folder(entry, request.app.state.settings.artifacts, run.id)
-    return tar_response(request, root, f"{run.id}-step-{entry.step}")
+    run = get_run_or_404(session, run_id)
+    entry = resolve(session, run, asked)
+    root = model_folder(entry, settings.artifacts, run.id)
+    return tar_response(slots, settings, root, f"{run.id}-step-{entry.step}")

@@ -1,22 +1,14 @@
-"""Helpers the routers share: sessions, run lookup, serialisation."""
+"""Helpers the routers share: run lookup, serialisation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from fastapi import HTTPException
+from sqlmodel import Session
 
-from fastapi import HTTPException, Request
-from sqlalchemy import select
-from sqlmodel import Session, col
-
-from ..models import ApiToken, Run, Sample
+from ..models import Run, Sample
 from ..schemas import ImageRef, Progress, RunOut, SampleOut
 
 API = "/api/v1"
-
-
-def get_session(request: Request) -> Iterator[Session]:
-    with Session(request.app.state.engine, expire_on_commit=False) as session:
-        yield session
 
 
 def get_run_or_404(session: Session, run_id: str) -> Run:
@@ -38,14 +30,6 @@ def image_ref(sha: str, width: int, height: int) -> ImageRef:
         width=width,
         height=height,
     )
-
-
-def creator_names(session: Session, runs: Sequence[Run]) -> dict[int, str]:
-    """Token id -> name for the runs' creators (tokens are revoked, never deleted, so the name stays)."""
-    ids = {r.created_by for r in runs if r.created_by is not None}
-    if not ids:
-        return {}
-    return dict(session.execute(select(col(ApiToken.id), col(ApiToken.name)).where(col(ApiToken.id).in_(ids))).all())
 
 
 def run_out(

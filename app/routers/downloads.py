@@ -8,22 +8,13 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from fastapi import HTTPException, Request
+from fastapi import HTTPException
 from fastapi.responses import StreamingResponse
 
+from ..settings import Settings
+from ..state import export_slots as export_slots  # the app's slots (made on first use): the tests hold them
+
 RETRY_AFTER_SECONDS = 10
-
-
-_SLOTS_LOCK = threading.Lock()
-
-
-def export_slots(app) -> threading.BoundedSemaphore:
-    """The app's export slots: ``settings.max_exports`` downloads at once per process, the rest get 429."""
-    with _SLOTS_LOCK:
-        slots = getattr(app.state, "export_slots", None)
-        if slots is None:
-            slots = app.state.export_slots = threading.BoundedSemaphore(app.state.settings.max_exports)
-        return slots
 
 
 class SlotStream(StreamingResponse):
@@ -40,14 +31,13 @@ class SlotStream(StreamingResponse):
             self._release()
 
 
-def hold_export_slot(request: Request) -> Callable[[], None]:
+def hold_export_slot(slots: threading.BoundedSemaphore, settings: Settings) -> Callable[[], None]:
     """One of the web process's ``COLLAGE_MAX_EXPORTS`` export slots (429 with ``Retry-After`` when none is free);
     returns its release, which frees it exactly once however often it is called."""
-    slots = export_slots(request.app)
     if not slots.acquire(blocking=False):
         raise HTTPException(
             429,
-            f"{request.app.state.settings.max_exports} downloads are running: retry in {RETRY_AFTER_SECONDS} s",
+            f"{settings.max_exports} downloads are running: retry in {RETRY_AFTER_SECONDS} s",
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
     once = threading.Lock()

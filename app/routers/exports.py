@@ -13,21 +13,21 @@ from __future__ import annotations
 import threading
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Body, Depends, HTTPException, Response
 from fastapi.responses import StreamingResponse
-from sqlmodel import Session
+from sqlalchemy.engine import Engine
 
-from ..auth import FORBIDDEN, UNAUTHORIZED, require_token
-from ..models import ApiToken, Job
+from ..auth import FORBIDDEN, UNAUTHORIZED, is_admin, owns, require_token
+from ..deps import CurrentUser, DispatcherDep, EngineDep, ExportSlotsDep, SessionDep, SettingsDep
+from ..models import Job
 from ..schemas import ErrorOut, ExportCreated, ExportOut, ExportRequest, ValidationErrorOut
 from ..status import ENDED, JobKind, RunStatus
 from ..store import checkpoints as checkpoint_store
 from ..store import exports as store
 from ..store import jobs
 from ..store.queueing import queue_of
-from ..store.tokens import TokenRole
 from .checkpoints import resolve, tar_response
-from .common import API, get_run_or_404, get_session
+from .common import API, get_run_or_404
 
 router = APIRouter(tags=["exports"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 
@@ -38,14 +38,14 @@ def export_url(job_id: str) -> str:
     return f"{API}/exports/{job_id}"
 
 
-def _job_or_404(request: Request, job_id: str) -> Job:
-    job = jobs.get_job(request.app.state.engine, job_id) if len(job_id) <= 32 else None
+def _job_or_404(engine: Engine, job_id: str) -> Job:
+    job = jobs.get_job(engine, job_id) if len(job_id) <= 32 else None
     if job is None or job.kind != JobKind.EXPORT:
         raise HTTPException(404, f"no export with id {job_id!r}")
     return job
 
 
-def export_out(request: Request, job: Job) -> ExportOut:
+def export_out(engine: Engine, job: Job) -> ExportOut:
     result = job.result if isinstance(job.result, dict) else {}
     removed = result.get("removed")
     done = job.status == RunStatus.SUCCEEDED and not removed
@@ -56,7 +56,7 @@ def export_out(request: Request, job: Job) -> ExportOut:
         progress=job.progress,
         message=job.message,
         error=job.error,
-        queue_position=jobs.queue_position(request.app.state.engine, job),
+        queue_position=jobs.queue_position(engine, job),
         step=job.request.get("step"),
         merge_lora=bool(job.request.get("merge_lora")),
         kind=result.get("kind"),
@@ -82,10 +82,11 @@ def export_out(request: Request, job: Job) -> ExportOut:
 )
 def create_export(
     run_id: str,
-    request: Request,
     response: Response,
-    session: Annotated[Session, Depends(get_session)],
-    token: Annotated[ApiToken, Depends(require_token)],
+    session: SessionDep,
+    token: CurrentUser,
+    engine: EngineDep,  # the job's lifecycle is the jobs store's: its own transactions, shared with the workers
+    dispatcher: DispatcherDep,
     body: Annotated[ExportRequest | None, Body()] = None,
 ) -> ExportCreated:
     """Queue the export of a checkpoint (`step`: a number, `best` or `last`, default `last`) as a plain transformers
@@ -102,7 +103,6 @@ def create_export(
             [{"path": "merge_lora", "message": f"checkpoint step {entry.step} is a full model: it has no LoRA "
               "adapter to merge"}],
         )  # fmt: skip
-    engine = request.app.state.engine
     queue = queue_of(run.config)
     request_json = {"run_id": run.id, "step": entry.step, "asked": asked.step, "merge_lora": asked.merge_lora}
     # one request of a web process at a time from the look to the new job: two threads could otherwise each see
@@ -118,7 +118,7 @@ def create_export(
         jobs.cancel_job(engine, job.id)
         raise _one_at_a_time(first)
     try:
-        request.app.state.dispatcher.submit_job(job.id, queue)
+        dispatcher.submit_job(job.id, queue)
     except Exception as exc:  # any broker failure: the job is cancelled (it would otherwise wait for a resend)
         jobs.cancel_job(engine, job.id)
         raise HTTPException(503, f"the export could not be queued: {exc}") from exc
@@ -139,10 +139,10 @@ def _one_at_a_time(busy: Job) -> HTTPException:
 
 
 @router.get("/exports/{job_id}", response_model=ExportOut, responses={404: {"model": ErrorOut}})
-def get_export(job_id: str, request: Request) -> ExportOut:
+def get_export(job_id: str, engine: EngineDep) -> ExportOut:
     """The export's status (`queued`, `running`, `cancelling`, `succeeded`, `failed`, `cancelled`), progress (0..1)
     and what it does now, its place in its queue while it waits, its error, and `download_url` once it succeeded."""
-    return export_out(request, _job_or_404(request, job_id))
+    return export_out(engine, _job_or_404(engine, job_id))
 
 
 @router.get(
@@ -155,17 +155,17 @@ def get_export(job_id: str, request: Request) -> ExportOut:
         200: {"content": {"application/x-tar": {}}, "description": "the exported folder as a tar archive, streamed"},
     },
 )
-def download_export(job_id: str, request: Request) -> StreamingResponse:
+def download_export(job_id: str, engine: EngineDep, settings: SettingsDep, slots: ExportSlotsDep) -> StreamingResponse:
     """The exported folder as a tar archive, streamed (a folder `<run>-step-<N>/`, `-merged` for a merged LoRA)."""
-    job = _job_or_404(request, job_id)
+    job = _job_or_404(engine, job_id)
     result = job.result if isinstance(job.result, dict) else {}
     if job.status != RunStatus.SUCCEEDED:
         raise HTTPException(409, f"export {job.id} is {job.status}: it can be downloaded once it has succeeded")
     if result.get("removed"):
         raise HTTPException(410, f"export {job.id} was removed: {result['removed']}")
-    root = store.exports_root(request.app.state.settings.artifacts) / job.id  # never a path from the store
+    root = store.exports_root(settings.artifacts) / job.id  # never a path from the store
     name = f"{job.run_id}-step-{job.request.get('step')}" + ("-merged" if job.request.get("merge_lora") else "")
-    return tar_response(request, root, name)
+    return tar_response(slots, settings, root, name)
 
 
 @router.post(
@@ -173,13 +173,13 @@ def download_export(job_id: str, request: Request) -> StreamingResponse:
     response_model=ExportOut,
     responses={404: {"model": ErrorOut}, 409: {"model": ErrorOut, "description": "it has ended"}, **FORBIDDEN},
 )
-def cancel_export(job_id: str, request: Request, token: Annotated[ApiToken, Depends(require_token)]) -> ExportOut:
+def cancel_export(job_id: str, token: CurrentUser, engine: EngineDep) -> ExportOut:
     """A queued export ends at once; a running one stops at its next step and leaves no files. Only the token that
     asked for it, or an admin."""
-    job = _job_or_404(request, job_id)
-    if token.role != TokenRole.ADMIN and (job.created_by is None or job.created_by != token.id):
+    job = _job_or_404(engine, job_id)
+    if not (is_admin(token) or owns(token, job.created_by)):
         raise HTTPException(403, f"only the token that asked for export {job.id}, or an admin, may cancel it")
     if job.status in ENDED:
         raise HTTPException(409, f"export {job.id} has ended ({job.status}): nothing to cancel")
-    jobs.cancel_job(request.app.state.engine, job.id)
-    return export_out(request, _job_or_404(request, job_id))
+    jobs.cancel_job(engine, job.id)
+    return export_out(engine, _job_or_404(engine, job_id))

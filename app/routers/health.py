@@ -4,22 +4,20 @@ API route that answers without a token (then only ok / not ok)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlalchemy import text
+from sqlalchemy.engine import Engine
 
 from collage.training.diskspace import existing_ancestor, space
 
-from ..auth import token_if_valid
-from ..db import DatabaseNotMigrated, check_migrated
-from ..models import ApiToken
+from ..deps import DispatcherDep, EngineDep, MaybeUser, SettingsDep
 from ..schemas import HealthOut
 from ..settings import Settings
 from ..store.faults import sqlite_path
+from ..store.health import store_health
 
 router = APIRouter(tags=["health"])
 
@@ -51,7 +49,7 @@ class HealthDetail(HealthOut):
     disk: DiskOut
 
 
-def _disk(settings: Settings, engine) -> DiskOut:
+def _disk(settings: Settings, engine: Engine) -> DiskOut:
     """The free space of each file system holding the home, the artifacts and the SQLite store and broker."""
     paths: dict[str, Path] = {"home": settings.home}
     if not str(settings.artifacts).startswith("s3:"):
@@ -81,27 +79,15 @@ def _disk(settings: Settings, engine) -> DiskOut:
     )
 
 
-def _store(engine) -> dict:
-    try:
-        with engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
-        check_migrated(engine)
-    except DatabaseNotMigrated as exc:
-        return {"ok": False, "dialect": engine.dialect.name, "error": str(exc)}
-    except Exception as exc:  # noqa: BLE001 - report any store failure
-        return {"ok": False, "dialect": engine.dialect.name, "error": f"{type(exc).__name__}: {exc}"}
-    return {"ok": True, "dialect": engine.dialect.name}
-
-
 @router.get(
     "/health", response_model=HealthDetail | HealthBrief, responses={503: {"model": HealthDetail | HealthBrief}}
 )
-async def health(request: Request, token: Annotated[ApiToken | None, Depends(token_if_valid)]):
+async def health(token: MaybeUser, engine: EngineDep, dispatcher: DispatcherDep, settings: SettingsDep):
     """ok / not ok for anyone (load balancers, compose health checks); with a token, the details: store,
     broker, live workers and the disks' free space (host names, pids, paths stay behind authentication)."""
-    store = await run_in_threadpool(_store, request.app.state.engine)
+    store = await run_in_threadpool(store_health, engine)
     try:
-        info = await run_in_threadpool(request.app.state.dispatcher.health)
+        info = await run_in_threadpool(dispatcher.health)
     except Exception as exc:  # noqa: BLE001
         info = {"broker": {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, "workers": []}
     broker = info.get("broker", {"ok": False})
@@ -109,6 +95,6 @@ async def health(request: Request, token: Annotated[ApiToken | None, Depends(tok
     status = 200 if ok else 503
     if token is None:
         return JSONResponse(status_code=status, content=HealthBrief(ok=ok).model_dump())
-    disk = await run_in_threadpool(_disk, request.app.state.settings, request.app.state.engine)
+    disk = await run_in_threadpool(_disk, settings, engine)
     body = HealthDetail(ok=ok, store=store, broker=broker, workers=info.get("workers", []), disk=disk)
     return JSONResponse(status_code=status, content=body.model_dump())

@@ -7,12 +7,11 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, Response
-from sqlmodel import Session
 
 from ..auth import UNAUTHORIZED, require_token
+from ..deps import SessionDep, SettingsDep
 from ..models import Image
 from ..store.images import thumbnail
-from .common import get_session
 
 router = APIRouter(tags=["images"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 
@@ -31,7 +30,8 @@ CACHE = "private, max-age=31536000, immutable"  # content-addressed: a hash neve
 async def get_image(
     request: Request,
     sha256: Annotated[str, Path(pattern="^[0-9a-f]{64}$", description="SHA-256 of the PNG bytes")],
-    session: Annotated[Session, Depends(get_session)],
+    session: SessionDep,
+    settings: SettingsDep,
     size: Annotated[Literal["thumb", "full"], Query()] = "full",
 ) -> Response:
     image = await run_in_threadpool(session.get, Image, sha256)
@@ -41,7 +41,7 @@ async def get_image(
     headers = {"Cache-Control": CACHE, "ETag": etag}
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers=headers)
-    artifacts = request.app.state.settings.artifacts
+    artifacts = settings.artifacts
     path = artifacts / image.path
     if not path.is_file():
         raise HTTPException(404, f"image {sha256} is recorded but its file is missing from the artifacts folder")

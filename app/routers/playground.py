@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy import func, select, update
-from sqlmodel import Session, col
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
 from starlette.datastructures import UploadFile
 
 from collage.training.images import ImageRefused
 
-from ..auth import UNAUTHORIZED, Responses, require_token
-from ..db import session_scope
-from ..models import ApiToken, Image, Job, utcnow
+from ..auth import UNAUTHORIZED, Responses, is_admin, owns, require_token
+from ..deps import CurrentUser, DispatcherDep, EngineDep, SessionDep, SettingsDep
+from ..models import ApiToken, Job
 from ..playground import Refused, ResolvedModel, clean_upload, model_summary, prompt_conversation, resolve_model
 from ..schemas import (
     ErrorOut,
@@ -36,12 +36,13 @@ from ..schemas import (
     ValidationErrorOut,
 )
 from ..settings import Settings
-from ..status import ACTIVE, JobKind, RunStatus
+from ..status import JobKind, RunStatus
 from ..store import jobs
+from ..store.image_index import image_sizes, known_images
 from ..store.images import write_image
-from ..store.tokens import TokenRole
 from ..store.uploads import QuotaExceeded, add_upload, list_uploads, used_bytes
-from .common import API, get_session, image_ref
+from .common import API, image_ref
+from .workers import queue_workers
 
 log = logging.getLogger("collage.api")
 
@@ -91,7 +92,7 @@ async def _read_file(request: Request, limit: int) -> bytes:
     try:
         form = await request.form(max_files=1, max_fields=8, max_part_size=64 << 10)
     except HTTPException as exc:  # a malformed multipart body (Starlette's parser)
-        raise _field_error("file", f"the body is not a readable multipart form: {exc.detail}") from None
+        raise _field_error("file", f"the body is not a readable multipart form: {exc.detail}") from exc
     try:
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
@@ -119,26 +120,25 @@ async def _read_file(request: Request, limit: int) -> bytes:
         429: {"model": ErrorOut, "description": "the token's uploads would exceed COLLAGE_UPLOAD_QUOTA_MB"},
     },
 )
-async def upload_image(request: Request, token: Annotated[ApiToken, Depends(require_token)]) -> UploadOut:
+async def upload_image(request: Request, token: CurrentUser, settings: SettingsDep, engine: EngineDep) -> UploadOut:
     """Upload one image (PNG, JPEG or WebP, multipart field `file`). It is decoded on the server, turned upright,
     flattened to RGB and stored again as a PNG of its pixels alone (no metadata), addressed by the SHA-256 of those
     bytes: use the `sha256` in `POST /generate`. An image this token uploaded before is not counted again."""
-    settings: Settings = request.app.state.settings
     data = await _read_file(request, settings.upload_max_bytes)
     async with DECODES:
         try:
             image = await run_in_threadpool(clean_upload, data, settings.upload_max_pixels)
         except ImageRefused as exc:
-            raise _field_error("file", f"the file {exc}") from None
+            raise _field_error("file", f"the file {exc}") from exc
     sha, rel = await run_in_threadpool(write_image, settings.artifacts, image.png)
     assert token.id is not None
     try:
         stored = await run_in_threadpool(
-            add_upload, request.app.state.engine, token.id, sha, rel, image.width, image.height, len(image.png),
+            add_upload, engine, token.id, sha, rel, image.width, image.height, len(image.png),
             settings.upload_quota_mb << 20,
         )  # fmt: skip
     except QuotaExceeded as exc:
-        raise HTTPException(429, str(exc)) from None
+        raise HTTPException(429, str(exc)) from exc
     ref = image_ref(sha, image.width, image.height)
     return UploadOut(sha256=sha, width=image.width, height=image.height, bytes=stored.bytes, url=ref.url,
                      thumb_url=ref.thumb_url, new=stored.new)  # fmt: skip
@@ -146,9 +146,9 @@ async def upload_image(request: Request, token: Annotated[ApiToken, Depends(requ
 
 @router.get("/uploads", response_model=UploadsOut)
 def my_uploads(
-    request: Request,
-    session: Annotated[Session, Depends(get_session)],
-    token: Annotated[ApiToken, Depends(require_token)],
+    session: SessionDep,
+    token: CurrentUser,
+    settings: SettingsDep,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> UploadsOut:
     """This token's uploads, newest first, and how much of its quota they use."""
@@ -158,7 +158,7 @@ def my_uploads(
         ref = image_ref(image.sha256, image.width, image.height)
         items.append(UploadOut(sha256=image.sha256, width=image.width, height=image.height, bytes=upload.bytes,
                                url=ref.url, thumb_url=ref.thumb_url, new=False))  # fmt: skip
-    quota = request.app.state.settings.upload_quota_mb << 20
+    quota = settings.upload_quota_mb << 20
     return UploadsOut(items=items, used_bytes=used_bytes(session, token.id), quota_bytes=quota)
 
 
@@ -168,26 +168,11 @@ def _check_images(session: Session, shas: list[str], settings: Settings) -> list
     if len(shas) > settings.playground_max_images:
         errors.append(("images", f"{len(shas)} images, more than the {settings.playground_max_images} a generation "
                                  "may have (COLLAGE_PLAYGROUND_MAX_IMAGES)"))  # fmt: skip
-    known = set(session.scalars(select(col(Image.sha256)).where(col(Image.sha256).in_(set(shas))))) if shas else set()
+    known = known_images(session, shas)
     for i, sha in enumerate(shas):
         if sha not in known:
             errors.append((f"images[{i}]", f"no image {sha} in the store: upload it first (POST {API}/images)"))
     return errors
-
-
-def _active_generations(session: Session, token: ApiToken) -> int:
-    return int(
-        session.scalar(
-            select(func.count())
-            .select_from(Job)
-            .where(
-                col(Job.kind) == JobKind.GENERATE.value,
-                col(Job.created_by) == token.id,
-                col(Job.status).in_([RunStatus.QUEUED.value, *(s.value for s in ACTIVE)]),
-            )
-        )
-        or 0
-    )
 
 
 @router.post(
@@ -203,16 +188,17 @@ def _active_generations(session: Session, token: ApiToken) -> int:
     },
 )
 def generate(
-    request: Request,
     response: Response,
     body: GenerateRequest,
-    session: Annotated[Session, Depends(get_session)],
-    token: Annotated[ApiToken, Depends(require_token)],
+    session: SessionDep,
+    token: CurrentUser,
+    settings: SettingsDep,
+    engine: EngineDep,  # the job's lifecycle is the jobs store's: its own transactions, shared with the workers
+    dispatcher: DispatcherDep,
 ) -> GenerateCreated:
     """Queue a generation: each model (a run's checkpoint by step, `best` or `last`, or a base model) completes the
     prompt with its images `num_generations` times on a worker of the run's queue; with an `answer`, every reward of
     the run scores each completion. Follow it with `GET /generate/{id}`."""
-    settings: Settings = request.app.state.settings
     errors = _check_images(session, body.images, settings)
     if body.max_new_tokens > settings.playground_max_new_tokens:
         errors.append(("max_new_tokens", f"{body.max_new_tokens} is more than the {settings.playground_max_new_tokens} "
@@ -228,8 +214,8 @@ def generate(
             resolve_model(session, ref.model_dump(), i, settings) for i, ref in enumerate(body.models)
         ]
     except Refused as exc:
-        raise _refused(exc) from None
-    in_flight = _active_generations(session, token)
+        raise _refused(exc) from exc
+    in_flight = jobs.active_generations(session, token.id)
     if in_flight >= settings.playground_per_user:
         raise HTTPException(
             429,
@@ -250,54 +236,34 @@ def generate(
         "max_new_tokens": body.max_new_tokens,
         "seed": body.seed,
     }
-    engine = request.app.state.engine
     job = jobs.create_job(engine, JobKind.GENERATE, queue, job_request, run_id=runs[0].run if runs else None,
                           created_by=token)  # fmt: skip
     try:
-        request.app.state.dispatcher.submit_job(job.id, queue)
+        dispatcher.submit_job(job.id, queue)
     except Exception as exc:  # any broker failure: the job is ended failed, never left queued without a message
-        _fail_queued(engine, job.id, f"could not queue the generation: {exc}")
+        jobs.fail_queued(engine, job.id, f"could not queue the generation: {exc}")
         raise HTTPException(503, f"generation {job.id} was stored but could not be queued: {exc}") from exc
     url = f"{API}/generate/{job.id}"
     response.headers["Location"] = url
     return GenerateCreated(id=job.id, status="queued", url=url)
 
 
-def _fail_queued(engine: Any, job_id: str, error: str) -> None:
-    """End a job that never left the queue (its message could not be sent) as failed, unless it moved meanwhile."""
-    with session_scope(engine) as session:
-        session.execute(
-            update(Job)
-            .where(col(Job.id) == job_id, col(Job.status) == RunStatus.QUEUED.value)
-            .values(status=RunStatus.FAILED.value, error=error, message=f"failed: {error}"[:2000], finished_at=utcnow())
-        )
-
-
 def _own_generation(session: Session, job_id: str, token: ApiToken) -> Job:
     """The generation ``job_id`` if this token may see it (its own, or any for an admin); else 404, so that other
     members' generations are not even confirmed to exist."""
     job = session.get(Job, job_id) if len(job_id) <= 32 else None
-    if (
-        job is None
-        or job.kind != JobKind.GENERATE.value
-        or not (token.role == TokenRole.ADMIN or (job.created_by is not None and job.created_by == token.id))
-    ):
+    if job is None or job.kind != JobKind.GENERATE.value or not (is_admin(token) or owns(token, job.created_by)):
         raise HTTPException(404, f"no generation with id {job_id!r}")
     return job
 
 
-def _waiting(request: Request, job: Job, position: int | None) -> str:
+def _waiting(engine: Engine, settings: Settings, job: Job, position: int | None) -> str:
     """What a queued generation waits for: a free worker of its queue, the trainings every live worker of its queue
     is running, or a worker to start at all."""
-    from collage.app.store.workers import live_workers
-
-    from .workers import live_within
-
     where = f"queue {job.queue!r}"
     ahead = f"position {position} in {where}" if position else f"queued in {where}"
     try:
-        workers = [w for w in live_workers(request.app.state.engine, within=live_within(request))
-                   if job.queue in (w["queues"] or [])]  # fmt: skip
+        workers = queue_workers(engine, settings, job.queue)
     except Exception:
         log.exception("could not list the live workers of %s", where)
         return ahead
@@ -313,17 +279,14 @@ def _waiting(request: Request, job: Job, position: int | None) -> str:
 SAMPLING = ("num_generations", "temperature", "top_p", "max_new_tokens", "seed")
 
 
-def generation_out(request: Request, session: Session, job: Job) -> GenerationOut:
+def generation_out(session: Session, engine: Engine, settings: Settings, job: Job) -> GenerationOut:
     status = RunStatus(job.status)
     shown = RunStatus.RUNNING if status == RunStatus.CANCELLING else status
-    position = jobs.queue_position(request.app.state.engine, job) if status == RunStatus.QUEUED else None
-    message = _waiting(request, job, position) if status == RunStatus.QUEUED else job.message
+    position = jobs.queue_position(engine, job) if status == RunStatus.QUEUED else None
+    message = _waiting(engine, settings, job, position) if status == RunStatus.QUEUED else job.message
     results = (job.result or {}).get("results") or []
     shas = list(job.request.get("images") or [])
-    rows = session.execute(
-        select(col(Image.sha256), col(Image.width), col(Image.height)).where(col(Image.sha256).in_(set(shas)))
-    )
-    sizes = {sha: (w, h) for sha, w, h in rows} if shas else {}
+    sizes = image_sizes(session, shas)
     return GenerationOut(
         id=job.id,
         status=shown.value,
@@ -348,28 +311,30 @@ def generation_out(request: Request, session: Session, job: Job) -> GenerationOu
 
 @router.get("/generate/{job_id}", response_model=GenerationOut, responses=NOT_FOUND)
 def get_generation(
-    request: Request,
     job_id: Annotated[str, Path(max_length=64)],
-    session: Annotated[Session, Depends(get_session)],
-    token: Annotated[ApiToken, Depends(require_token)],
+    session: SessionDep,
+    token: CurrentUser,
+    engine: EngineDep,
+    settings: SettingsDep,
 ) -> GenerationOut:
     """A generation's status (`queued` with its queue position and what it waits for, `running`, or how it ended)
     and, once it succeeded, each model's completions with their rewards."""
-    return generation_out(request, session, _own_generation(session, job_id, token))
+    return generation_out(session, engine, settings, _own_generation(session, job_id, token))
 
 
 @router.post("/generate/{job_id}/cancel", response_model=GenerationOut, responses=NOT_FOUND)
 def cancel_generation(
-    request: Request,
     job_id: Annotated[str, Path(max_length=64)],
-    session: Annotated[Session, Depends(get_session)],
-    token: Annotated[ApiToken, Depends(require_token)],
+    session: SessionDep,
+    token: CurrentUser,
+    engine: EngineDep,
+    settings: SettingsDep,
 ) -> GenerationOut:
     """Cancel: a queued generation ends at once, a running one stops at its next check (between models, or at the
     next token it generates). Cancelling an ended generation changes nothing."""
     job = _own_generation(session, job_id, token)
-    jobs.cancel_job(request.app.state.engine, job.id)
-    found = jobs.get_job(request.app.state.engine, job.id)
+    jobs.cancel_job(engine, job.id)
+    found = jobs.get_job(engine, job.id)  # the jobs store's fresh read: the cancel was its own transaction
     if found is None:  # its run was deleted meanwhile (a generation is deleted with the run it was tied to)
         raise HTTPException(404, f"no generation with id {job_id!r}")
-    return generation_out(request, session, found)
+    return generation_out(session, engine, settings, found)

@@ -8,17 +8,17 @@ import json
 import tempfile
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
-from sqlalchemy import select
-from sqlmodel import Session, col
+from sqlalchemy.engine import Engine
 
 from ..auth import UNAUTHORIZED, require_token
-from ..models import Image, Metric
+from ..deps import CursorKeyDep, EngineDep, ExportSlotsDep, SessionDep, SettingsDep, StreamSessionDep
 from ..schemas import SamplePage, ValidationErrorOut
 from ..store import queries
-from .common import get_run_or_404, get_session, sample_out
+from ..store.image_index import image_sizes
+from .common import get_run_or_404, sample_out
 from .downloads import SlotStream, hold_export_slot
 
 INT_MAX = 2**31 - 1  # steps and counts are 32-bit integers in the store
@@ -26,15 +26,6 @@ INT_MAX = 2**31 - 1  # steps and counts are 32-bit integers in the store
 Split = Literal["train", "eval"]
 
 router = APIRouter(tags=["samples"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
-
-
-def image_sizes(session: Session, shas: set[str]) -> dict[str, tuple[int, int]]:
-    if not shas:
-        return {}
-    rows = session.execute(
-        select(col(Image.sha256), col(Image.width), col(Image.height)).where(col(Image.sha256).in_(list(shas)))
-    )
-    return {sha: (w, h) for sha, w, h in rows}
 
 
 def sample_filters(
@@ -93,12 +84,15 @@ def sample_filters(
     )
 
 
+FiltersDep = Annotated[queries.SampleFilters, Depends(sample_filters)]
+
+
 @router.get("/runs/{run_id}/samples", response_model=SamplePage, responses={404: {"description": "no such run"}})
 def list_samples(
     run_id: str,
-    request: Request,
-    session: Annotated[Session, Depends(get_session)],
-    filters: Annotated[queries.SampleFilters, Depends(sample_filters)],
+    session: SessionDep,
+    key: CursorKeyDep,
+    filters: FiltersDep,
     sort: Annotated[
         str,
         Query(
@@ -113,7 +107,6 @@ def list_samples(
     run = get_run_or_404(session, run_id)
     check_reward_names(run.config, sort, filters.reward_name)
     try:
-        key = request.app.state.cursor_key
         rows, images, next_cursor = queries.query_samples(session, run_id, filters, sort, cursor, limit, key=key)
     except queries.BadCursor as exc:
         raise HTTPException(400, str(exc)) from exc
@@ -135,8 +128,8 @@ class SampleCount(BaseModel):
 )
 def count_samples(
     run_id: str,
-    session: Annotated[Session, Depends(get_session)],
-    filters: Annotated[queries.SampleFilters, Depends(sample_filters)],
+    session: SessionDep,
+    filters: FiltersDep,
 ) -> SampleCount:
     """How many rollout rows match the same filters as `GET /runs/{id}/samples` (its total, for "100 of 2,345
     rows"), counted up to 100,000: beyond that `capped` is true and `count` is the cap."""
@@ -169,7 +162,7 @@ SAMPLE_COLUMNS = [
 ]  # fmt: skip
 
 
-def _sample_records(engine, run_id: str, split: str):
+def _sample_records(engine: Engine, run_id: str, split: str):
     for row, shas in queries.iter_samples(engine, run_id, split):  # a short session per batch
         yield {
             "run_id": row.run_id,
@@ -194,22 +187,9 @@ def _sample_records(engine, run_id: str, split: str):
         }
 
 
-def _metric_records(engine, run_id: str):
-    last = (-1, "")
-    while True:
-        with Session(engine) as session:  # closed before the rows go out: a slow client holds no connection
-            rows = session.execute(
-                select(col(Metric.step), col(Metric.key), col(Metric.value))
-                .where(col(Metric.run_id) == run_id)
-                .where((col(Metric.step) > last[0]) | ((col(Metric.step) == last[0]) & (col(Metric.key) > last[1])))
-                .order_by(col(Metric.step), col(Metric.key))
-                .limit(5000)
-            ).all()
-        if not rows:
-            return
-        for step, key, value in rows:
-            yield {"run_id": run_id, "step": step, "key": key, "value": value}
-        last = (rows[-1][0], rows[-1][1])
+def _metric_records(engine: Engine, run_id: str):
+    for step, key, value in queries.iter_metrics(engine, run_id):  # a short session per batch
+        yield {"run_id": run_id, "step": step, "key": key, "value": value}
 
 
 # a spreadsheet runs a cell that starts with one of these as a formula (CSV injection): OWASP's advice is to
@@ -288,7 +268,10 @@ def _parquet(records, what: str):
 )
 def export(
     run_id: str,
-    request: Request,
+    session: StreamSessionDep,  # closed when this returns: the stream reads in short sessions of its own
+    engine: EngineDep,
+    slots: ExportSlotsDep,
+    settings: SettingsDep,
     what: Annotated[Literal["samples", "metrics"], Query()] = "samples",
     format: Annotated[Literal["csv", "jsonl", "parquet"], Query()] = "jsonl",
     split: Annotated[
@@ -302,10 +285,8 @@ def export(
         raise HTTPException(422, [{"path": "query.split", "message": "applies to what=samples only: the metrics "
                                    "export holds every key, eval/* included"}])  # fmt: skip
     split = split or "train"
-    engine = request.app.state.engine
-    with Session(engine) as session:  # released before streaming: the stream reads in short sessions of its own
-        run_id = get_run_or_404(session, run_id).id
-    release = hold_export_slot(request)
+    run_id = get_run_or_404(session, run_id).id
+    release = hold_export_slot(slots, settings)
     try:
         records = _sample_records(engine, run_id, split) if what == "samples" else _metric_records(engine, run_id)
         columns = SAMPLE_COLUMNS if what == "samples" else ["run_id", "step", "key", "value"]

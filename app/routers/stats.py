@@ -7,14 +7,12 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import BaseModel, Field
-from sqlalchemy import select
-from sqlmodel import Session, col
 
 from ..auth import UNAUTHORIZED, require_token
-from ..models import Sample
+from ..deps import SessionDep
 from ..schemas import ErrorOut, ValidationErrorOut
 from ..store import queries
-from .common import get_run_or_404, get_session
+from .common import get_run_or_404
 
 INT_MAX = 2**31 - 1  # steps are 32-bit integers in the store
 BINS_MAX = 200
@@ -24,12 +22,6 @@ router = APIRouter(tags=["stats"], dependencies=[Depends(require_token)], respon
 HistogramField = Literal["completion_length", "reward", "advantage", "num_images"]
 # integer columns get bins of whole units (edges on integers); the others equal-width bins between min and max
 INTEGER_FIELDS = {"completion_length", "num_images"}
-COLUMNS = {
-    "completion_length": col(Sample.completion_length),
-    "reward": col(Sample.reward),
-    "advantage": col(Sample.advantage),
-    "num_images": col(Sample.num_images),
-}
 
 
 class Histogram(BaseModel):
@@ -90,7 +82,7 @@ def bin_values(values: list[float], bins: int, integer: bool) -> tuple[list[floa
 )
 def histogram(
     run_id: str,
-    session: Annotated[Session, Depends(get_session)],
+    session: SessionDep,
     field: Annotated[
         HistogramField, Query(description="the rollout column: completion_length, reward, advantage or num_images")
     ] = "completion_length",
@@ -108,10 +100,7 @@ def histogram(
     """A histogram of one rollout column at one step, with the steps that have rollout rows (for a step picker),
     of one split: training rollouts, or evaluation rollouts (their steps are the evaluated steps)."""
     get_run_or_404(session, run_id)
-    of_split = (col(Sample.run_id) == run_id, queries.split_is(split, session.get_bind().dialect.name))
-    steps = list(
-        session.execute(select(col(Sample.step)).where(*of_split).distinct().order_by(col(Sample.step))).scalars().all()
-    )
+    steps = queries.sample_steps(session, run_id, split)
     if step is None:
         if not steps:
             return Histogram(
@@ -122,8 +111,7 @@ def histogram(
     elif step not in steps:
         have = f"steps with rows: {steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "the run has none yet"
         raise _bad("query.step", f"no rollout rows at step {step} ({have})")
-    column = COLUMNS[field]
-    raw = session.execute(select(column).where(*of_split, col(Sample.step) == step)).scalars().all()
+    raw = queries.sample_values(session, run_id, split, field, step)
     values = [float(v) for v in raw if v is not None and math.isfinite(v)]
     edges, counts = bin_values(values, bins, field in INTEGER_FIELDS)
     return Histogram(

@@ -8,15 +8,15 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
-from sqlmodel import Session, col
 
 from ..auth import FORBIDDEN, UNAUTHORIZED, require_admin
-from ..models import ApiToken, AuditEntry
+from ..deps import AdminUser, EngineDep, SessionDep
+from ..models import ApiToken
 from ..store.tokens import (
     LINK_LIFETIME,
     TokenError,
     TokenRole,
+    audit_entries,
     create_login_link,
     create_token,
     list_tokens,
@@ -76,15 +76,12 @@ def _out(token: ApiToken) -> TokenOut:
 
 
 @router.get("/tokens", response_model=list[TokenOut])
-async def get_tokens(request: Request) -> list[TokenOut]:
-    return [_out(t) for t in await run_in_threadpool(list_tokens, request.app.state.engine)]
+async def get_tokens(engine: EngineDep) -> list[TokenOut]:
+    return [_out(t) for t in await run_in_threadpool(list_tokens, engine)]
 
 
 @router.post("/tokens", status_code=201, response_model=TokenCreated, responses={409: {"description": "name taken"}})
-async def post_token(
-    request: Request, body: TokenCreate, admin: Annotated[ApiToken, Depends(require_admin)]
-) -> TokenCreated:
-    engine = request.app.state.engine
+async def post_token(body: TokenCreate, admin: AdminUser, engine: EngineDep) -> TokenCreated:
     try:
         secret = await run_in_threadpool(create_token, engine, body.name, body.role, body.expires_days, admin.name)
     except TokenError as exc:
@@ -94,22 +91,20 @@ async def post_token(
 
 
 @router.delete("/tokens/{name}", status_code=204, responses={404: {"description": "no live token of that name"}})
-async def delete_token(request: Request, name: str, admin: Annotated[ApiToken, Depends(require_admin)]) -> Response:
+async def delete_token(name: str, admin: AdminUser, engine: EngineDep) -> Response:
     """Revoke: the token's API access and its browser sessions end at once."""
     try:
-        await run_in_threadpool(revoke_token, request.app.state.engine, name, admin.name)
+        await run_in_threadpool(revoke_token, engine, name, admin.name)
     except TokenError as exc:
         raise HTTPException(404, str(exc)) from exc
     return Response(status_code=204)
 
 
 @router.post("/tokens/{name}/link", response_model=LoginLinkOut, responses={404: {"description": "no live token"}})
-async def post_login_link(
-    request: Request, name: str, admin: Annotated[ApiToken, Depends(require_admin)]
-) -> LoginLinkOut:
+async def post_login_link(request: Request, name: str, admin: AdminUser, engine: EngineDep) -> LoginLinkOut:
     """A one-time login URL for that token's owner (single use, 10 minutes)."""
     try:
-        code = await run_in_threadpool(create_login_link, request.app.state.engine, name, admin.name)
+        code = await run_in_threadpool(create_login_link, engine, name, admin.name)
     except TokenError as exc:
         raise HTTPException(404, str(exc)) from exc
     base = str(request.base_url).rstrip("/")
@@ -117,8 +112,7 @@ async def post_login_link(
 
 
 @router.get("/audit", response_model=list[AuditOut])
-def get_audit(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> list[AuditOut]:
+def get_audit(session: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> list[AuditOut]:
     """The newest entries first: who created, revoked or linked tokens, cancelled, resumed or deleted runs."""
-    with Session(request.app.state.engine) as session:
-        rows = session.scalars(select(AuditEntry).order_by(col(AuditEntry.id).desc()).limit(limit)).all()
+    rows = audit_entries(session, limit)
     return [AuditOut(time=r.time, actor=r.actor, action=r.action, target=r.target, detail=r.detail) for r in rows]

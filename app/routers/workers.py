@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
-from sqlalchemy import select
-from sqlmodel import Session, col
+from fastapi import APIRouter, Depends
+from sqlalchemy.engine import Engine
 
 from collage.app.store.workers import live_workers
 
 from ..auth import UNAUTHORIZED, require_token
-from ..models import Run, utcnow
+from ..deps import EngineDep, SessionDep, SettingsDep
+from ..models import utcnow
 from ..schemas import GpuInfo, WorkerOut, WorkerRun, WorkersOut
-from .common import get_session, run_url
+from ..settings import Settings
+from ..store.runs import run_labels
+from .common import run_url
 
 router = APIRouter(tags=["workers"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 
 
-def live_within(request: Request) -> float:
+def live_within(settings: Settings) -> float:
     """A worker is live when seen within three heartbeat intervals (plus 5 s), as ``GET /health`` counts them."""
-    return 3 * request.app.state.settings.heartbeat_interval + 5
+    return 3 * settings.heartbeat_interval + 5
+
+
+def queue_workers(engine: Engine, settings: Settings, queue: str) -> list[dict[str, Any]]:
+    """The live workers that take work from ``queue``. Read in the registry's own short session: the callers
+    answer without them when the read fails, and a failed read must not break the request's session."""
+    return [w for w in live_workers(engine, within=live_within(settings)) if queue in (w["queues"] or [])]
 
 
 def _aware(value):
@@ -29,18 +37,12 @@ def _aware(value):
 
 
 @router.get("/workers", response_model=WorkersOut)
-def list_workers(request: Request, session: Annotated[Session, Depends(get_session)]) -> WorkersOut:
+def list_workers(session: SessionDep, engine: EngineDep, settings: SettingsDep) -> WorkersOut:
     """Each live worker: name, host, queues, GPU slot and GPUs (model, memory, utilisation when known), the run it
     is training (if any), and how long ago it last reported."""
-    within = live_within(request)
-    workers = live_workers(request.app.state.engine, within=within)
-    run_ids = {w["current_run"] for w in workers if w["current_run"]}
-    runs = {}
-    if run_ids:
-        rows = session.execute(
-            select(col(Run.id), col(Run.name), col(Run.status)).where(col(Run.id).in_(run_ids))
-        ).all()
-        runs = {r.id: (r.name, r.status) for r in rows}
+    within = live_within(settings)
+    workers = live_workers(engine, within=within)
+    runs = run_labels(session, {w["current_run"] for w in workers if w["current_run"]})
     now = utcnow()
     items = []
     for w in workers:

@@ -27,6 +27,7 @@ from sqlmodel import Session, col
 from collage.training.config import TrainSettings
 from collage.training.retention import best_checkpoint
 
+from ..errors import WebError
 from ..models import Checkpoint, Run
 from ..trust import confined
 
@@ -39,7 +40,7 @@ RUNS_FOLDER = "runs"  # artifacts/runs/<run id>/attempt-<n>/checkpoints/step-<N>
 INFO_FILE = "checkpoint.json"  # training/checkpoint.py's INFO_FILE, read here without importing torch
 
 
-class CheckpointProblem(LookupError):
+class CheckpointProblem(WebError, LookupError):
     """Why no checkpoint can be given; ``status`` is the HTTP answer (404 no such step, 409 nothing to pick)."""
 
     status = 409

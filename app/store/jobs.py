@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
@@ -154,6 +154,29 @@ def cancel_job(engine: Engine, job_id: str) -> str | None:
     _update(engine, job_id, [RunStatus.RUNNING], status=RunStatus.CANCELLING.value, message="cancelling")
     job = get_job(engine, job_id)
     return job.status if job is not None else None
+
+
+def fail_queued(engine: Engine, job_id: str, error: str) -> bool:
+    """End a job that never left the queue (its broker message could not be sent) as failed, unless it moved
+    meanwhile; False then."""
+    values = {"error": error, "message": f"failed: {error}"[:2000], "finished_at": utcnow()}
+    return _update(engine, job_id, [RunStatus.QUEUED], status=RunStatus.FAILED.value, **values)
+
+
+def active_generations(session: Session, token_id: int | None) -> int:
+    """The token's playground generations that are queued or running."""
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(
+                col(Job.kind) == JobKind.GENERATE.value,
+                col(Job.created_by) == token_id,
+                col(Job.status).in_([RunStatus.QUEUED.value, *(s.value for s in ACTIVE)]),
+            )
+        )
+        or 0
+    )
 
 
 def cancel_requested(engine: Engine, job_id: str) -> bool:

@@ -19,13 +19,14 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.sql import ColumnElement, Select
 from sqlmodel import Session, col
 
+from ..errors import WebError
 from ..models import Event, Metric, Run, RunTag, Sample, SampleImage, table_of
 
 PAGE_MAX = 500
 INT64 = 2**63  # ids and integer sort values of a cursor lie in the store's 64-bit range
 
 
-class BadCursor(ValueError):
+class BadCursor(WebError, ValueError):
     pass
 
 
@@ -455,7 +456,53 @@ def iter_samples(
         last = (rows[-1].step, row_id(rows[-1]))
 
 
+# ------------------------------------------------------------------------------------ per-step statistics
+HISTOGRAM_COLUMNS = {
+    "completion_length": col(Sample.completion_length),
+    "reward": col(Sample.reward),
+    "advantage": col(Sample.advantage),
+    "num_images": col(Sample.num_images),
+}
+
+
+def _of_split(session: Session, run_id: str, split: str) -> tuple[ColumnElement[bool], ColumnElement[bool]]:
+    return col(Sample.run_id) == run_id, split_is(split, session.get_bind().dialect.name)
+
+
+def sample_steps(session: Session, run_id: str, split: str) -> list[int]:
+    """Every step of the run that has rollout rows of ``split``, ascending."""
+    stmt = select(col(Sample.step)).where(*_of_split(session, run_id, split)).distinct().order_by(col(Sample.step))
+    return list(session.execute(stmt).scalars().all())
+
+
+def sample_values(session: Session, run_id: str, split: str, field: str, step: int) -> list[Any]:
+    """The values of one rollout column (a key of HISTOGRAM_COLUMNS) in the rows of ``split`` at ``step``, None
+    for a row without one."""
+    column = HISTOGRAM_COLUMNS[field]
+    stmt = select(column).where(*_of_split(session, run_id, split), col(Sample.step) == step)
+    return list(session.execute(stmt).scalars().all())
+
+
 # --------------------------------------------------------------------------------------------- metrics
+
+
+def iter_metrics(engine: Engine, run_id: str, batch: int = 5000) -> Iterator[tuple[int, str, float | None]]:
+    """Every ``(step, key, value)`` of a run in (step, key) order, streamed in batches, each read in its own short
+    session closed before its values are handed out: a slow download holds no connection."""
+    last = (-1, "")
+    while True:
+        with Session(engine) as session:
+            rows = session.execute(
+                select(col(Metric.step), col(Metric.key), col(Metric.value))
+                .where(col(Metric.run_id) == run_id)
+                .where((col(Metric.step) > last[0]) | ((col(Metric.step) == last[0]) & (col(Metric.key) > last[1])))
+                .order_by(col(Metric.step), col(Metric.key))
+                .limit(batch)
+            ).all()
+        if not rows:
+            return
+        yield from ((step, key, value) for step, key, value in rows)
+        last = (rows[-1][0], rows[-1][1])
 
 
 def metric_keys(session: Session, run_id: str) -> list[str]:

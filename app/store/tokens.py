@@ -22,9 +22,8 @@ from sqlalchemy import delete, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from collage.training.errors import CollageError
-
 from ..db import engine_for, session_scope
+from ..errors import WebError
 from ..models import ApiToken, AuditEntry, LoginLink, WebSession, utcnow
 from .sql import changed_rows
 
@@ -42,7 +41,7 @@ class TokenRole(str, Enum):
         return self.value
 
 
-class TokenError(CollageError):
+class TokenError(WebError):
     pass
 
 
@@ -64,6 +63,11 @@ def usable(token: ApiToken | None, now: datetime | None = None) -> bool:
 
 def audit(session: Session, actor: str, action: str, target: str, detail: str | None = None) -> None:
     session.add(AuditEntry(actor=actor, action=action, target=target[:200], detail=detail))
+
+
+def audit_entries(session: Session, limit: int) -> list[AuditEntry]:
+    """The newest ``limit`` entries of the audit log, newest first."""
+    return list(session.scalars(select(AuditEntry).order_by(col(AuditEntry.id).desc()).limit(limit)).all())
 
 
 def create_token(

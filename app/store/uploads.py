@@ -18,11 +18,12 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
 from ..db import session_scope
+from ..errors import WebError
 from ..models import ApiToken, Image, Upload, table_of, utcnow
 from .sql import dialect_insert
 
 
-class QuotaExceeded(Exception):
+class QuotaExceeded(WebError):
     """The upload would take the token past its quota (nothing was stored)."""
 
     def __init__(self, used: int, size: int, quota: int):

@@ -22,9 +22,9 @@ from sqlmodel import Session, col
 
 from collage.app.models import table_of
 from collage.training.callbacks import scalar_columns
-from collage.training.errors import CollageError
 
 from ..db import session_scope
+from ..errors import WebError
 from ..models import (
     ENDED,
     ApiToken,
@@ -119,7 +119,56 @@ def prompt_text(prompt: Any) -> str:
     return " ".join(parts)
 
 
-class StaleAttempt(CollageError):
+def _sample_row(run_id: str, step: int, row: Any, shas: list[str]) -> tuple[dict[str, Any], int]:
+    """The ``samples`` row of one rollout row, its text cleaned, and how many NUL characters the cleaning replaced."""
+    reward = _clean(row.reward)
+    std = _clean(row.group_std)
+    prompt, n_prompt = clean_json(row.prompt)
+    completion, n_completion = clean_text(row.completion)
+    rewards, n_rewards = clean_json({k: _clean(v) for k, v in row.rewards.items()})
+    columns, n_columns = clean_json(scalar_columns(getattr(row, "columns", None)))
+    sample = {
+        "run_id": run_id,
+        "step": step,
+        "group": int(row.group),
+        "index": int(row.index),
+        "prompt": prompt,
+        "prompt_text": prompt_text(prompt),
+        "completion": completion,
+        "rewards": rewards,
+        "reward": reward,
+        "reward_sort": NULL_REWARD if reward is None else reward,
+        "advantage": _clean(row.advantage) or 0.0,
+        "completion_length": int(row.completion_length),
+        "truncated": bool(row.truncated),
+        "num_images": len(shas),
+        "group_mean": _clean(row.group_mean),
+        "group_std": std,
+        "zero_std": std is not None and abs(std) < 1e-8,
+        "dataset_row": getattr(row, "dataset_row", getattr(row, "row", None)),
+        "columns": columns or None,
+        "split": _split_of(row),
+    }
+    return sample, n_prompt + n_completion + n_rewards + n_columns
+
+
+def _insert_samples(session: Session, sample_rows: list[dict[str, Any]], per_row: list[list[str]]) -> None:
+    """Insert the rows and the links to their images, in order (``sort_by_parameter_order``: the ids come back in
+    the order the rows went in, so each row gets its own images)."""
+    result = session.execute(
+        insert(table_of(Sample)).returning(table_of(Sample).c.id, sort_by_parameter_order=True), sample_rows
+    )
+    ids = [r[0] for r in result]
+    links = [
+        {"sample_id": sid, "position": pos, "sha256": sha}
+        for sid, shas in zip(ids, per_row, strict=True)
+        for pos, sha in enumerate(shas)
+    ]
+    if links:
+        session.execute(insert(table_of(SampleImage)), links)
+
+
+class StaleAttempt(WebError):
     """A training process's attempt is no longer the run's current one (the run was reaped, resumed or
     deleted meanwhile): it must stop writing and exit."""
 
@@ -372,6 +421,38 @@ class StoreWriter:
     def append_samples(self, run_id: str, step: int, rows: Iterable[Any]) -> int:
         """Write one step's rollout rows with their images in one transaction; returns the row count."""
         rows = list(rows)
+        image_rows, per_row = self._store_images(rows)
+        sample_rows = []
+        nuls = 0  # NUL characters replaced in this step's text (completions, prompts, columns, reward names)
+        for row, shas in zip(rows, per_row, strict=True):
+            sample, n = _sample_row(run_id, step, row, shas)
+            sample_rows.append(sample)
+            nuls += n
+        note = f"step {step}: {nul_note(nuls, 'rollout text')}" if nuls else None
+        splits = sorted({row["split"] for row in sample_rows})
+
+        def write(session: Session) -> None:
+            if image_rows:
+                stmt = dialect_insert(session, table_of(Image)).on_conflict_do_nothing(index_elements=["sha256"])
+                session.execute(stmt, image_rows)
+            # a redelivered step replaces what the earlier delivery wrote, in the splits it writes (a step's eval
+            # rows come in a call of their own and never replace its training rows, nor the other way round)
+            session.execute(
+                delete(Sample).where(
+                    col(Sample.run_id) == run_id, col(Sample.step) == step, col(Sample.split).in_(splits or ["train"])
+                )
+            )
+            if sample_rows:
+                _insert_samples(session, sample_rows, per_row)
+            if note is not None:
+                session.add(Event(run_id=run_id, level="warning", message=note))
+
+        self._write(write, run_id, **({"warning_count": Run.warning_count + 1} if note is not None else {}))
+        return len(sample_rows)
+
+    def _store_images(self, rows: list[Any]) -> tuple[list[dict[str, Any]], list[list[str]]]:
+        """Write the rows' images under the artifacts (before the transaction: a file is never half there) and
+        return the ``images`` rows of the distinct ones and each row's hashes, in order."""
         images: dict[str, tuple[bytes, str]] = {}
         per_row: list[list[str]] = []
         for row in rows:
@@ -388,71 +469,7 @@ class StoreWriter:
                 {"sha256": sha, "width": width, "height": height, "format": fmt, "size_bytes": len(png), "path": rel,
                  "created_at": utcnow()}
             )  # fmt: skip
-        sample_rows = []
-        nuls = 0  # NUL characters replaced in this step's text (completions, prompts, columns, reward names)
-        for row, shas in zip(rows, per_row, strict=True):
-            reward = _clean(row.reward)
-            std = _clean(row.group_std)
-            prompt, n_prompt = clean_json(row.prompt)
-            completion, n_completion = clean_text(row.completion)
-            rewards, n_rewards = clean_json({k: _clean(v) for k, v in row.rewards.items()})
-            columns, n_columns = clean_json(scalar_columns(getattr(row, "columns", None)))
-            nuls += n_prompt + n_completion + n_rewards + n_columns
-            sample_rows.append(
-                {
-                    "run_id": run_id,
-                    "step": step,
-                    "group": int(row.group),
-                    "index": int(row.index),
-                    "prompt": prompt,
-                    "prompt_text": prompt_text(prompt),
-                    "completion": completion,
-                    "rewards": rewards,
-                    "reward": reward,
-                    "reward_sort": NULL_REWARD if reward is None else reward,
-                    "advantage": _clean(row.advantage) or 0.0,
-                    "completion_length": int(row.completion_length),
-                    "truncated": bool(row.truncated),
-                    "num_images": len(shas),
-                    "group_mean": _clean(row.group_mean),
-                    "group_std": std,
-                    "zero_std": std is not None and abs(std) < 1e-8,
-                    "dataset_row": getattr(row, "dataset_row", getattr(row, "row", None)),
-                    "columns": columns or None,
-                    "split": _split_of(row),
-                }
-            )
-        note = f"step {step}: {nul_note(nuls, 'rollout text')}" if nuls else None
-        splits = sorted({row["split"] for row in sample_rows})
-
-        def write(session: Session) -> None:
-            if image_rows:
-                stmt = dialect_insert(session, table_of(Image)).on_conflict_do_nothing(index_elements=["sha256"])
-                session.execute(stmt, image_rows)
-            # a redelivered step replaces what the earlier delivery wrote, in the splits it writes (a step's eval
-            # rows come in a call of their own and never replace its training rows, nor the other way round)
-            session.execute(
-                delete(Sample).where(
-                    col(Sample.run_id) == run_id, col(Sample.step) == step, col(Sample.split).in_(splits or ["train"])
-                )
-            )
-            if sample_rows:
-                result = session.execute(
-                    insert(table_of(Sample)).returning(table_of(Sample).c.id, sort_by_parameter_order=True), sample_rows
-                )
-                ids = [r[0] for r in result]
-                links = [
-                    {"sample_id": sid, "position": pos, "sha256": sha}
-                    for sid, shas in zip(ids, per_row, strict=True)
-                    for pos, sha in enumerate(shas)
-                ]
-                if links:
-                    session.execute(insert(table_of(SampleImage)), links)
-            if note is not None:
-                session.add(Event(run_id=run_id, level="warning", message=note))
-
-        self._write(write, run_id, **({"warning_count": Run.warning_count + 1} if note is not None else {}))
-        return len(sample_rows)
+        return image_rows, per_row
 
     # ---------------------------------------------------------- checkpoints
     def add_checkpoint(

@@ -11,9 +11,9 @@ import yaml
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
-from sqlmodel import Session
 
 from ..auth import may_change
+from ..deps import EngineDep, SessionDep, SettingsDep
 from ..models import ApiToken, Run
 from ..store.tokens import consume_login_link, verify_token
 from .fields import FormField, form_fields, gpus_default
@@ -62,13 +62,14 @@ def login_page(request: Request, next: str | None = None) -> Response:
 @router.post("/login")
 def login(
     request: Request,
+    engine: EngineDep,
     token: Annotated[str, Form()] = "",
     csrf_token_field: Annotated[str, Form(alias=CSRF_FIELD)] = "",
     next: Annotated[str, Form()] = "",
 ) -> Response:
     if not csrf_ok(request, csrf_token_field):
         return _render(request, "login.html", 403, error="The form expired: please try again.", next=next)
-    found = verify_token(request.app.state.engine, token.strip()) if token.strip() else None
+    found = verify_token(engine, token.strip()) if token.strip() else None
     if found is None:
         return _render(request, "login.html", 401, error="That API token is not valid.", next=next)
     response = RedirectResponse(_safe_next(next), status_code=303)
@@ -84,10 +85,12 @@ def login_link_page(request: Request, code: str) -> Response:
 
 
 @router.post("/login/link/{code}")
-def login_link(request: Request, code: str, csrf_token_field: Annotated[str, Form(alias=CSRF_FIELD)] = "") -> Response:
+def login_link(
+    request: Request, code: str, engine: EngineDep, csrf_token_field: Annotated[str, Form(alias=CSRF_FIELD)] = ""
+) -> Response:
     if not csrf_ok(request, csrf_token_field):
         return _render(request, "login_link.html", 403, error="The form expired: please try again.", code=code)
-    found = consume_login_link(request.app.state.engine, code) if len(code) <= 100 else None
+    found = consume_login_link(engine, code) if len(code) <= 100 else None
     if found is None:
         return _render(
             request,
@@ -124,17 +127,17 @@ def runs_page(request: Request) -> Response:
 
 
 @router.get("/launch")
-def launch_page(request: Request, clone: str | None = None) -> Response:
+def launch_page(request: Request, engine: EngineDep, settings: SettingsDep, clone: str | None = None) -> Response:
     if _user(request) is None:
         return _login_redirect(request)
     from collage.app.store.workers import live_workers
 
-    from ..routers.datasets import warm_up
+    from ..dataset_helper import warm_up
     from ..routers.workers import live_within
 
     warm_up()  # the dataset helper imports the training stack now, not when *Preview and check* is pressed
     try:
-        workers = live_workers(request.app.state.engine, within=live_within(request))
+        workers = live_workers(engine, within=live_within(settings))
     except Exception:  # noqa: BLE001 - the store is briefly unavailable: the schema's default
         workers = []
     fields = form_fields(gpus=gpus_default(workers))
@@ -145,16 +148,15 @@ def launch_page(request: Request, clone: str | None = None) -> Response:
 
 
 @router.get("/runs/{run_id}")
-def run_page(request: Request, run_id: str) -> Response:
+def run_page(request: Request, run_id: str, session: SessionDep) -> Response:
     user = _user(request)
     if user is None:
         return _login_redirect(request)
-    with Session(request.app.state.engine) as session:
-        run = session.get(Run, run_id) if len(run_id) <= 32 else None
-        if run is None:
-            return _render(request, "error.html", 404, message=f"No run with id {run_id}.")
-        parent = session.get(Run, run.parent_id) if run.parent_id else None
-        creator = session.get(ApiToken, run.created_by) if run.created_by is not None else None
+    run = session.get(Run, run_id) if len(run_id) <= 32 else None
+    if run is None:
+        return _render(request, "error.html", 404, message=f"No run with id {run_id}.")
+    parent = session.get(Run, run.parent_id) if run.parent_id else None
+    creator = session.get(ApiToken, run.created_by) if run.created_by is not None else None
     config_yaml = yaml.safe_dump(run.config, sort_keys=False)
     # what this user may do to the run, decided as the API decides it: the buttons it may not use are disabled
     # with the reason shown, instead of failing after the confirmation
@@ -166,11 +168,10 @@ def run_page(request: Request, run_id: str) -> Response:
 
 
 @router.get("/runs/{run_id}/rollouts")
-def rollouts_page(request: Request, run_id: str) -> Response:
+def rollouts_page(request: Request, run_id: str, session: SessionDep) -> Response:
     if _user(request) is None:
         return _login_redirect(request)
-    with Session(request.app.state.engine) as session:
-        run = session.get(Run, run_id) if len(run_id) <= 32 else None
+    run = session.get(Run, run_id) if len(run_id) <= 32 else None
     if run is None:
         return _render(request, "error.html", 404, message=f"No run with id {run_id}.")
     from ..store.queries import reward_names
@@ -186,22 +187,20 @@ def workers_page(request: Request) -> Response:
 
 
 @router.get("/compare")
-def compare_page(request: Request, ids: str = "") -> Response:
+def compare_page(request: Request, session: SessionDep, ids: str = "") -> Response:
     if _user(request) is None:
         return _login_redirect(request)
     run_ids = [i for i in ids.split(",") if i][:8]
-    with Session(request.app.state.engine) as session:
-        runs = [r for r in (session.get(Run, i) for i in run_ids if len(i) <= 32) if r is not None]
+    runs = [r for r in (session.get(Run, i) for i in run_ids if len(i) <= 32) if r is not None]
     if len(runs) < 2:
         return _render(request, "error.html", 400, message="Pick two or more runs to compare (from the runs page).")
     return _render(request, "compare.html", page="compare", runs=runs)
 
 
 @router.get("/playground")
-def playground_page(request: Request, run: str = "") -> Response:
+def playground_page(request: Request, settings: SettingsDep, run: str = "") -> Response:
     """Try one or two models (a run's checkpoint, a base model) on a prompt with uploaded images (docs/playground.md);
     ``?run=<id>`` starts with that run picked."""
     if _user(request) is None:
         return _login_redirect(request)
-    settings = request.app.state.settings
     return _render(request, "playground.html", page="playground", run=run[:32], settings=settings)

@@ -26,6 +26,7 @@ from sqlmodel import Session, col
 
 from ..db import session_scope
 from ..models import ApiToken, WebSession, utcnow
+from ..state import engine_of
 from ..store.tokens import _aware, hash_secret, usable
 
 SESSION_COOKIE = "collage_session"
@@ -60,7 +61,7 @@ def start_session(request: Request, response: Response, token: ApiToken) -> None
     end_session(request, response)
     assert token.id is not None
     raw = secrets.token_urlsafe(32)
-    with session_scope(request.app.state.engine) as session:
+    with session_scope(engine_of(request.app)) as session:
         session.add(
             WebSession(
                 id_hash=hash_secret(raw),
@@ -84,7 +85,7 @@ def start_session(request: Request, response: Response, token: ApiToken) -> None
 def end_session(request: Request, response: Response) -> None:
     raw = request.cookies.get(SESSION_COOKIE)
     if raw:
-        with session_scope(request.app.state.engine) as session:
+        with session_scope(engine_of(request.app)) as session:
             session.execute(delete(WebSession).where(col(WebSession.id_hash) == hash_secret(raw)))
         response.delete_cookie(SESSION_COOKIE, path="/", secure=_secure(request), httponly=True, samesite="lax")
     request.state.web_session = None
@@ -107,7 +108,7 @@ def current_session(request: Request) -> tuple[WebSession, ApiToken] | None:
     if cached is not _UNSET:
         return cast("tuple[WebSession, ApiToken] | None", cached)  # what this function stored for the request
     raw = request.cookies.get(SESSION_COOKIE)
-    found = live_session(request.app.state.engine, hash_secret(raw)) if raw else None
+    found = live_session(engine_of(request.app), hash_secret(raw)) if raw else None
     request.state.web_session = found
     return found
 
