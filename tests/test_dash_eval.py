@@ -326,9 +326,28 @@ def test_the_rollouts_split_selector_with_its_table_count_group_view_gallery_and
 # ------------------------------------------------------------------------------------------------ launch form
 
 
-def test_the_launch_form_sets_evaluation_and_checkpoint_retention(browser, server):
+def test_the_launch_form_shows_and_sends_a_loss_types_keys_only_with_it(browser, server):
+    context, page = login(browser, server)
+    try:
+        page.goto(f"{server['base']}/launch")
+        page.wait_for_selector(".reward")
+        sapo, delta = '[data-path="train.sapo_temperature_pos"]', '[data-path="train.delta"]'
+        assert page.is_hidden(sapo) and page.is_visible(delta)  # dapo: clipped, not sapo
+        page.select_option('[name="train.loss_type"]', "sapo")
+        assert page.is_visible(sapo) and page.is_hidden(delta)
+        page.click("#yaml-btn")
+        sent = yaml.safe_load(page.inner_text("#yaml"))["train"]
+        assert "sapo_temperature_pos" in sent and "delta" not in sent and "vespo_k_pos" not in sent
+        page.click("#yaml-btn")
+        page.select_option('[name="train.loss_type"]', "dapo")
+        assert page.is_hidden(sapo) and page.is_visible(delta)
+        assert not page.errors, page.errors
+    finally:
+        context.close()
+
+
+def test_the_launch_form_has_every_evaluation_key_with_trls_name():
     from collage.app.web.fields import HELP
-    from collage.training.config import parse_config
 
     trl = {"eval_strategy", "eval_steps", "eval_on_start", "per_device_eval_batch_size", "save_total_limit",
            "metric_for_best_model", "greater_is_better"}  # fmt: skip
@@ -340,6 +359,10 @@ def test_the_launch_form_sets_evaluation_and_checkpoint_retention(browser, serve
     for key in ("eval_split", "eval_source", "eval_fraction"):
         assert f"dataset.{key}" in HELP, key
 
+
+def test_the_launch_form_sets_evaluation_and_checkpoint_retention(browser, server):
+    from collage.training.config import parse_config
+
     context, page = login(browser, server)
     try:
         page.goto(f"{server['base']}/launch")
@@ -347,17 +370,6 @@ def test_the_launch_form_sets_evaluation_and_checkpoint_retention(browser, serve
         card = page.locator("#eval-card")
         for key in ("eval_strategy", "eval_steps", "greater_is_better", "save_total_limit", "eval_temperature"):
             assert card.locator(f'[name="train.{key}"]').count() == 1, key
-        # a loss type's own keys are shown, and sent, only with that loss type
-        sapo, delta = '[data-path="train.sapo_temperature_pos"]', '[data-path="train.delta"]'
-        assert page.is_hidden(sapo) and page.is_visible(delta)  # dapo: clipped, not sapo
-        page.select_option('[name="train.loss_type"]', "sapo")
-        assert page.is_visible(sapo) and page.is_hidden(delta)
-        page.click("#yaml-btn")
-        sent = yaml.safe_load(page.inner_text("#yaml"))["train"]
-        assert "sapo_temperature_pos" in sent and "delta" not in sent and "vespo_k_pos" not in sent
-        page.click("#yaml-btn")
-        page.select_option('[name="train.loss_type"]', "dapo")
-        assert page.is_hidden(sapo) and page.is_visible(delta)
         # the untouched form still builds a valid config (evaluation off)
         page.click("#yaml-btn")
         untouched = yaml.safe_load(page.inner_text("#yaml"))

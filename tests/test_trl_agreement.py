@@ -549,36 +549,35 @@ def test_accumulation_window_agrees_with_trl(loss_types, tiny_model_dir, tmp_pat
             steps_per_generation=spg,
         )
         for window in range(spg // gas):
-            trainer.model.zero_grad(set_to_none=True)
-            trl_losses = []
-            for k in range(window * gas, (window + 1) * gas):
-                mb = micro_batches[k]
-                loss = trainer._compute_loss(trainer.model, mb)
-                loss.backward()
-                trl_losses.append(loss.item())
-            trl_grads = _grads(trainer.model)
-            trainer.model.zero_grad(set_to_none=True)
-            for i, k in enumerate(range(window * gas, (window + 1) * gas)):
-                part = shuffled.slice(k * size, (k + 1) * size, s.family.layout)
+            ks = range(window * gas, (window + 1) * gas)
+            trl_losses, trl_grads = _trl_window(trainer, micro_batches, ks)
+            for i, k in enumerate(ks):
                 lo, hi = k * size, (k + 1) * size
+                part = shuffled.slice(lo, hi, s.family.layout)
                 mask = part.completion_mask.float()
                 assert torch.equal(part.completion_ids, micro_batches[k]["completion_ids"])
                 assert torch.allclose(adv[lo:hi], micro_batches[k]["advantages"], atol=TOL)
                 assert torch.allclose(old_all[lo:hi] * mask, micro_batches[k]["old_per_token_logps"] * mask, atol=TOL)
                 logps, _ = completion_logprobs_and_entropy(trainer.model, part, s.family, s.image_id, s.temperature)
-                out = alg.grpo_loss(
-                    logps,
-                    old_all[lo:hi],
-                    adv[lo:hi],
-                    mask,
-                    settings,
-                    ref_logps=ref_all[lo:hi],
-                    num_items_in_batch=num_items,
-                )
+                out = alg.grpo_loss(logps, old_all[lo:hi], adv[lo:hi], mask, settings, ref_logps=ref_all[lo:hi],
+                                    num_items_in_batch=num_items)  # fmt: skip
                 assert abs(out.loss.item() - trl_losses[i]) <= TOL, (loss_type, k, out.loss.item(), trl_losses[i])
                 out.loss.backward()
             _assert_grads_equal(_grads(trainer.model), trl_grads)
             trainer.model.zero_grad(set_to_none=True)
+
+
+def _trl_window(trainer, micro_batches, ks) -> tuple[list[float], dict]:
+    """TRL's losses and summed gradients over one accumulation window (micro-batches ``ks``); grads zeroed after."""
+    trainer.model.zero_grad(set_to_none=True)
+    losses = []
+    for k in ks:
+        loss = trainer._compute_loss(trainer.model, micro_batches[k])
+        loss.backward()
+        losses.append(loss.item())
+    grads = _grads(trainer.model)
+    trainer.model.zero_grad(set_to_none=True)
+    return losses, grads
 
 
 # ----------------------------------------------------------------------------------------- sync_ref_model
@@ -803,19 +802,8 @@ def test_trainer_shuffle_and_slices_keep_each_rows_advantage_logps_and_pixels(tm
         keep = batch.attention_mask[j, prompt_len:].bool()
         completions.append(batch.input_ids[j, prompt_len:][keep].tolist())
         samples.append(trainer.dataset.rows[batch.rows[j]].to_sample())
-    keys = [s.columns["key"] for s in samples]
 
-    # rewards and advantages, by hand from the reward functions and each row's group (the rows of its prompt)
-    first = keyed_reward(None, completions, keys)
-    second = sometimes_none(None, completions, keys)
-    totals = [a + 0.5 * b if b is not None else a for a, b in zip(first, second, strict=True)]
-    for j in range(batch.batch_size):
-        group = [totals[i] for i in range(batch.batch_size) if batch.rows[i] == batch.rows[j]]
-        assert len(group) == t.num_generations
-        mean = sum(group) / len(group)
-        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
-        expected = (totals[j] - mean) / (std + alg.STD_EPS)
-        assert abs(gen.advantages[j].item() - expected) <= TOL, (j, gen.advantages[j].item(), expected)
+    _assert_advantages_by_hand(gen, completions, [s.columns["key"] for s in samples], t.num_generations)
 
     # old and reference log-probs: each row forwarded alone (its own pixels, no padding)
     pad = trainer.tokenizer.pad_token_id
@@ -846,16 +834,25 @@ def test_trainer_shuffle_and_slices_keep_each_rows_advantage_logps_and_pixels(tm
     policy.zero_grad(set_to_none=True)
     total = torch.zeros(())
     for j in range(t.per_device_train_batch_size):
-        out = alg.grpo_loss(
-            alone(policy, j),
-            old_alone[j],
-            torch.tensor([gen.advantages[j].item()]),
-            singles[j].completion_mask.float(),
-            trainer.loss_settings,
-            ref_logps=ref_alone[j],
-            num_items_in_batch=gen.num_items.item(),
-        )
+        advantage = torch.tensor([gen.advantages[j].item()])
+        out = alg.grpo_loss(alone(policy, j), old_alone[j], advantage, singles[j].completion_mask.float(),
+                            trainer.loss_settings, ref_logps=ref_alone[j], num_items_in_batch=gen.num_items.item())  # fmt: skip
         total = total + out.loss
     total.backward()
     _assert_grads_equal(ours, _grads(policy))
     assert abs(metrics["loss"] - total.item()) <= TOL
+
+
+def _assert_advantages_by_hand(gen, completions, keys, num_generations) -> None:
+    """Each row's reward from the reward functions and its advantage from its group (the rows of its prompt)."""
+    batch = gen.batch
+    first = keyed_reward(None, completions, keys)
+    second = sometimes_none(None, completions, keys)
+    totals = [a + 0.5 * b if b is not None else a for a, b in zip(first, second, strict=True)]
+    for j in range(batch.batch_size):
+        group = [totals[i] for i in range(batch.batch_size) if batch.rows[i] == batch.rows[j]]
+        assert len(group) == num_generations
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+        expected = (totals[j] - mean) / (std + alg.STD_EPS)
+        assert abs(gen.advantages[j].item() - expected) <= TOL, (j, gen.advantages[j].item(), expected)
