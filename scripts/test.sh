@@ -2,10 +2,9 @@
 # The whole test suite, from a fresh machine: set up, lint, type-check, pytest, then the wheel smoke test
 # (the built wheel in fresh virtual environments). Extra arguments go to pytest (and run it alone, in order).
 #
-# Without arguments five jobs run side by side, since most of their time is waiting on servers, workers and
+# Without arguments four jobs run side by side, since most of their time is waiting on servers, workers and
 # installs: the worker, browser and tracker tests (their own Redis server, `collage serve` on SQLite, or worker
-# processes), the serve, playground, export and shutdown tests, the fast tier with coverage, the other slow
-# tests, and the wheel smoke test. Each pytest session has its own COLLAGE_HOME and its own
+# processes), the serve, playground, export and shutdown tests, every other test, and the wheel smoke test. Each pytest session has its own COLLAGE_HOME and its own
 # PostgreSQL database (tests/conftest.py), so they share nothing but the machine. The logs of the side jobs are printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,16 +37,14 @@ browser=$!
 .venv/bin/python -m pytest -p no:cacheprovider --durations=25 "${processes[@]}" >"$logs/processes.log" 2>&1 &
 processes_job=$!
 status=0
-# the fast tier (what `pytest -m "not slow"` runs on a laptop), with its coverage of the collage package, beside
-# the slow in-process tests: run one after the other, they were the last job to finish
-COVERAGE_FILE="$logs/.coverage" .venv/bin/python -m pytest -p no:cacheprovider -m "not slow" --durations=10 \
-  --cov=collage --cov-report=term:skip-covered "${ignore[@]}" >"$logs/fast.log" 2>&1 &
-fast=$!
+# the fast tier first (what `pytest -m "not slow"` runs on a laptop), with its coverage of the collage package;
+# then the slow in-process tests
+echo "---- fast tier (-m 'not slow'), with coverage"
+.venv/bin/python -m pytest -p no:cacheprovider -m "not slow" --durations=10 --cov=collage \
+  --cov-report=term:skip-covered "${ignore[@]}" || status=1
+echo "---- fast tier done after $((SECONDS - started)) s; the slow in-process tests"
 .venv/bin/python -m pytest -p no:cacheprovider -m slow --durations=40 "${ignore[@]}" || status=1
-echo "---- slow in-process tests done after $((SECONDS - started)) s"
-wait "$fast" || status=1
-echo "---- fast tier (-m 'not slow'), with its coverage of the collage package"
-cat "$logs/fast.log"
+echo "---- in-process tests done after $((SECONDS - started)) s"
 wait "$browser" || status=1
 echo "---- worker, browser and tracker tests"
 cat "$logs/browser.log"
