@@ -117,6 +117,17 @@ SMALL = {
 }
 
 
+def wait_rows(page, count: int, timeout: float = 30_000) -> None:
+    """Wait until the rollout table shows the answer to its current filters: the row count (one request) is
+    ``count`` and the rows (another request, which may answer later) are on the page, not "Loading rows…"."""
+    wait_js(
+        page,
+        f"document.getElementById('total').dataset.count === '{count}' && "
+        "document.getElementById('count').textContent !== 'Loading rows…'",
+        timeout,
+    )
+
+
 def wait_js(page, expression: str, timeout: float = 30_000) -> None:
     """Poll a JavaScript expression until it is true. (Playwright's wait_for_function compiles the expression
     inside the page, which the dashboard's Content-Security-Policy forbids: no eval. Evaluating from outside,

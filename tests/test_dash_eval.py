@@ -18,7 +18,7 @@ import yaml
 
 from collage.app.store.writer import ImageIn, SampleIn
 
-from .dashboard_support import login, shoot, small_config, wait_js
+from .dashboard_support import login, shoot, small_config, wait_js, wait_rows
 from .test_dash_friction import _png, _writer
 
 
@@ -249,13 +249,13 @@ def test_the_rollouts_split_selector_with_its_table_count_group_view_gallery_and
     context, page = login(browser, server)
     try:
         page.goto(f"{server['base']}/runs/{run}/rollouts")
-        wait_js(page, "document.getElementById('total').dataset.count === '12'")
+        wait_rows(page, 12)
         rows = _table(page)
         assert len(rows) == 12 and {s for s, _ in rows} == {"train"}
         assert page.input_value('[name="split"]') == "train" and "split=" not in page.url
 
         page.select_option('[name="split"]', "eval")
-        wait_js(page, "document.getElementById('total').dataset.count === '16'")
+        wait_rows(page, 16)
         assert "split=eval" in page.url and page.inner_text("#total") == "16 rows match"
         rows = _table(page)
         assert len(rows) == 16 and {s for s, _ in rows} == {"eval"} and rows[0][1] == "eval 0.0.0 the answer is 0"
@@ -275,10 +275,10 @@ def test_the_rollouts_split_selector_with_its_table_count_group_view_gallery_and
         assert len(records) == 16 and {r["split"] for r in records} == {"eval"}
         # a filter narrows the eval rows; the count follows
         page.fill('[name="min_step"]', "2")
-        wait_js(page, "document.getElementById('total').dataset.count === '8'")
+        wait_rows(page, 8)
         assert {c.split(" ")[1].split(".")[0] for _, c in _table(page)} == {"2"}
         page.fill('[name="min_step"]', "")
-        wait_js(page, "document.getElementById('total').dataset.count === '16'")
+        wait_rows(page, 16)
         shoot(page, "rollouts-eval")
 
         # the group view of one held-out prompt: its completions ranked by reward, no advantage
@@ -309,7 +309,7 @@ def test_the_rollouts_split_selector_with_its_table_count_group_view_gallery_and
 
         # back to training: the training rows, the advantage filter on again
         page.select_option('[name="split"]', "train")
-        wait_js(page, "document.getElementById('total').dataset.count === '12'")
+        wait_rows(page, 12)
         assert {s for s, _ in _table(page)} == {"train"} and "split=" not in page.url
         assert not page.is_disabled('[name="advantage"]')
         assert page.inner_text('a.export[data-what="samples"][data-format="jsonl"]') == "samples.jsonl"

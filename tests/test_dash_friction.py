@@ -17,7 +17,7 @@ from PIL import Image
 from collage.app.store import queries
 from collage.app.store.writer import ImageIn, SampleIn
 
-from .dashboard_support import API, ROOT, login, shoot, small_config, wait_done, wait_js
+from .dashboard_support import API, ROOT, login, shoot, small_config, wait_done, wait_js, wait_rows
 from .test_dash_rollouts import _config, _fill, _pages
 
 WORDS = "the first image shows a red square and the second one a blue circle so the count is "
@@ -151,13 +151,10 @@ def test_rollouts_show_the_filtered_total_and_fit_1400_px(browser, server, wide)
     context, page = login(browser, server)
     page.goto(f"{server['base']}/runs/{wide}/rollouts")
     # the count and the rows are two requests: either may answer first, and the line never says "0 of 12"
-    wait_js(
-        page,
-        "document.getElementById('total').dataset.count === '12' && document.getElementById('count').textContent !== 'Loading rows…'",
-    )
+    wait_rows(page, 12)
     assert page.inner_text("#total") == "12 rows match" and page.inner_text("#count") == "12 of 12 rows shown"
     page.select_option('[name="advantage"]', "pos")  # completion 2 of each group: 4 rows
-    wait_js(page, "document.getElementById('total').dataset.count === '4'")
+    wait_rows(page, 4)
     assert page.inner_text("#total") == "4 rows match"
     page.select_option('[name="advantage"]', "")
     wait_js(page, "document.querySelectorAll('tr.sample').length === 12")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .dashboard_support import login, shoot, small_config, wait_done, wait_js
+from .dashboard_support import login, shoot, small_config, wait_done, wait_rows
 
 
 def test_a_run_with_evaluation_end_to_end(browser, server):
@@ -48,7 +48,7 @@ def test_a_run_with_evaluation_end_to_end(browser, server):
     context, page = login(browser, server)
     try:
         page.goto(f"{server['base']}/runs/{run_id}/rollouts?split=eval")
-        wait_js(page, f"document.getElementById('total').dataset.count === '{len(eval_rows)}'")
+        wait_rows(page, len(eval_rows))
         splits = page.evaluate("[...document.querySelectorAll('tr.sample')].map(r => r.dataset.split)")
         assert splits and set(splits) == {"eval"}
         assert page.inner_text("tr.sample .evaluated-at >> nth=0").startswith("evaluated at step")

@@ -16,6 +16,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,18 @@ def wandb_records(run_folder: Path) -> list:
         record.ParseFromString(chunk)
         records.append(record)
     return records
+
+
+def wandb_finished_records(run_folder: Path, timeout: float = 60.0) -> list:
+    """The records of an offline run once W&B's own service has written its run record: that service writes the
+    ``.wandb`` log in a process of its own, which on a loaded machine can still be flushing when ``finish`` has
+    returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = wandb_records(run_folder)
+        if any(r.WhichOneof("record_type") == "run" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
 
 
 def wandb_run_folder(tracker_env: Path, run_id: str) -> Path:
@@ -268,7 +281,7 @@ def test_mirrors_metrics_and_rollout_table_with_images(tracker_env):
                 assert pixels(stored_png) == pixels(image.png)
 
     # W&B (offline): the run's name, project and config, every step's metrics, one table per step with images
-    records = wandb_records(wandb_run_folder(tracker_env, "synth0001"))
+    records = wandb_finished_records(wandb_run_folder(tracker_env, "synth0001"))
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.display_name, run.project, run.run_id) == ("synthetic", WANDB_PROJECT, "synth0001")
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
