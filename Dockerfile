@@ -1,6 +1,6 @@
 # Collage's images, installed from the wheel (never an editable checkout). One Dockerfile, two images:
 #   web node (no torch):  docker build -t collage-web .
-#   GPU worker:           docker build --build-arg EXTRAS=worker,postgres,redis \
+#   GPU worker:           docker build --build-arg EXTRAS=worker,postgres,redis,s3 \
 #                           --build-arg BASE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime -t collage-worker .
 ARG BASE=python:3.11-slim
 
@@ -15,8 +15,8 @@ COPY migrations ./migrations
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 
 FROM ${BASE}
-# the extras this image installs: web,postgres,redis for the web node, worker,postgres,redis for GPU workers
-ARG EXTRAS=web,postgres,redis
+# the extras this image installs: web,postgres,redis,s3 for the web node, worker,postgres,redis,s3 for GPU workers
+ARG EXTRAS=web,postgres,redis,s3
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 COLLAGE_HOME=/home-web
 COPY --from=wheel /dist /tmp/dist
 RUN pip install --no-cache-dir "$(ls /tmp/dist/collage_rl-*.whl)[${EXTRAS}]" && rm -rf /tmp/dist
@@ -24,8 +24,8 @@ COPY examples /opt/collage/examples
 
 # never root: the web node and the workers run as this user
 RUN useradd --create-home --uid 1000 collage \
-    && mkdir -p /home-web /home-worker /artifacts /datasets /models \
-    && chown collage /home-web /home-worker /artifacts /datasets /models
+    && mkdir -p /home-web /home-worker /datasets /models \
+    && chown collage /home-web /home-worker /datasets /models
 USER collage
 WORKDIR /home/collage
 EXPOSE 8000

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from collage.training.objectstore import mirror_from_env
+
 if TYPE_CHECKING:
     from collage.training.data.rows import RawRow
 
@@ -185,7 +187,7 @@ def preview_rows(
             buf = io.BytesIO()
             image.save(buf, format="PNG")
             png = buf.getvalue()
-            sha, rel = write_image(artifacts, png)
+            sha, rel = write_image(artifacts, png, mirror=mirror_from_env())
             entry["images"].append(
                 {"sha256": sha, "width": image.width, "height": image.height, "size_bytes": len(png), "path": rel}
             )

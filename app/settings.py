@@ -13,12 +13,18 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from collage.training.objectstore import ObjectMirror, is_remote, local_cache_root, mirror_for, retry_for_of
+
 # every variable Settings.from_env reads (docker-compose.yml may set only these)
 ENV_VARS = (
     "COLLAGE_HOME",
     "COLLAGE_DATABASE_URL",
     "COLLAGE_BROKER_URL",
     "COLLAGE_ARTIFACTS",
+    # object storage (COLLAGE_ARTIFACTS=s3://bucket/prefix; credentials and region: the standard AWS variables)
+    "COLLAGE_S3_ENDPOINT_URL",
+    "COLLAGE_S3_PRESIGN",
+    "COLLAGE_S3_RETRY_FOR",
     "COLLAGE_HEARTBEAT_INTERVAL",
     "COLLAGE_HEARTBEAT_TIMEOUT",
     "COLLAGE_CANCEL_GRACE",
@@ -87,7 +93,13 @@ class Settings:
     home: Path
     database_url: str
     broker_url: str
+    # the local artifacts folder; with object storage (artifacts_url s3://...), this host's cache of the bucket
     artifacts: Path
+    artifacts_url: str = ""  # COLLAGE_ARTIFACTS as given: s3://bucket/prefix, or the local folder
+    s3_endpoint_url: str | None = None  # a server that is not AWS (SeaweedFS, MinIO); None: AWS itself
+    # seconds a presigned URL is valid: > 0 redirects image and download requests to the bucket, 0 streams them
+    s3_presign: int = 0
+    s3_retry_for: float = 120.0  # seconds an object-storage call retries an unreachable server before failing
     max_body_bytes: int = 1_048_576  # request bodies above this are refused (413)
     heartbeat_interval: float = 5.0  # seconds between a running run's heartbeats
     heartbeat_timeout: float = 60.0  # a running run without a heartbeat for this long is marked failed
@@ -133,6 +145,14 @@ class Settings:
             return self.train_nice
         return EMBEDDED_TRAIN_NICE if embedded else 0
 
+    @property
+    def remote_artifacts(self) -> bool:
+        return is_remote(self.artifacts_url)
+
+    def mirror(self) -> ObjectMirror | None:
+        """The artifacts' bucket (one client per process), or None when the artifacts are a local folder."""
+        return mirror_for(self.artifacts_url, self.s3_endpoint_url, self.s3_retry_for)
+
     def allowed_data_roots(self) -> tuple[Path, ...]:
         return self.data_roots or (self.home,)
 
@@ -144,12 +164,20 @@ class Settings:
         home = home_from(os.environ)
         database_url = os.environ.get("COLLAGE_DATABASE_URL") or f"sqlite:///{home / 'collage.db'}"
         broker_url = os.environ.get("COLLAGE_BROKER_URL") or f"sqla+sqlite:///{home / 'broker.db'}"
-        artifacts = Path(os.environ.get("COLLAGE_ARTIFACTS") or home / "artifacts").expanduser()
+        artifacts_url = os.environ.get("COLLAGE_ARTIFACTS") or str(home / "artifacts")
+        if is_remote(artifacts_url):
+            artifacts = local_cache_root(home, artifacts_url)  # validates the URL too
+        else:
+            artifacts = Path(artifacts_url).expanduser()
         return cls(
             home=home,
             database_url=database_url,
             broker_url=broker_url,
             artifacts=artifacts,
+            artifacts_url=artifacts_url,
+            s3_endpoint_url=os.environ.get("COLLAGE_S3_ENDPOINT_URL") or None,
+            s3_presign=int(os.environ.get("COLLAGE_S3_PRESIGN") or 0),
+            s3_retry_for=retry_for_of(os.environ),
             heartbeat_interval=float(os.environ.get("COLLAGE_HEARTBEAT_INTERVAL", 5.0)),
             heartbeat_timeout=float(os.environ.get("COLLAGE_HEARTBEAT_TIMEOUT", 60.0)),
             cancel_grace=float(os.environ.get("COLLAGE_CANCEL_GRACE", 60.0)),

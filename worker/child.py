@@ -21,9 +21,15 @@ from typing import Any
 
 from collage.training.callbacks import Callback
 
+from .errors import WorkerError
+
 EXIT_FAILED = 3
 EXIT_STORE_FULL = 5  # the run failed and the store's disk is too full to record it
 NICE_ENV = "COLLAGE_TRAIN_NICE"  # the CPU priority (nice value) the supervisor asks the training to run at
+
+
+class CheckpointMissing(WorkerError):
+    """The checkpoint a resumed attempt must continue from cannot be found anywhere."""
 
 
 class StopOnSignal(Callback):
@@ -109,7 +115,7 @@ class Attempt:
         self.run_id, self.attempt = run_id, attempt
         self.settings = get_settings()
         self.engine = engine_for(self.settings.database_url)
-        self.store = StoreWriter(self.engine, self.settings.artifacts)
+        self.store = StoreWriter(self.engine, self.settings.artifacts, mirror=self.settings.mirror())
         self.writer = self.store.for_attempt(run_id, attempt)
         self.rank = int(os.environ.get("RANK", "0"))  # accelerate's process index (set by `accelerate launch`)
         self.out = attempt_dir(self.settings.artifacts, run_id, attempt)
@@ -128,14 +134,25 @@ class Attempt:
 
     def link_earlier_checkpoints(self) -> Path | None:
         """The newest checkpoint the store records (None: a fresh start); every earlier one up to it is linked into
-        this attempt's folder, newest last, so train.save_total_limit counts and removes them too."""
-        newest = self.store.latest_checkpoint(self.run_id)
-        if newest is not None and self.rank == 0 and Path(newest).is_dir():
+        this attempt's folder, newest last, so train.save_total_limit counts and removes them too.
+
+        With object storage the store records it relative to the artifacts, and a host that does not have it (the
+        run was resumed on another host) downloads it from the bucket first (manifest-checked)."""
+        from collage.training.objectstore import ensure_local_folder
+
+        recorded = self.store.latest_checkpoint(self.run_id)
+        if recorded is None:
+            return None
+        newest = Path(recorded) if Path(recorded).is_absolute() else self.settings.artifacts / recorded
+        if self.rank == 0 and not ensure_local_folder(self.settings.artifacts, newest, self.settings.mirror()):
+            raise CheckpointMissing(f"run {self.run_id}: its newest checkpoint {recorded} is neither on this host nor "
+                                    f"in the artifacts' bucket {self.settings.artifacts_url}")  # fmt: skip
+        if self.rank == 0 and newest.is_dir():
             from collage.training.checkpoint import checkpoints_up_to
 
-            for checkpoint in checkpoints_up_to(Path(newest)):
+            for checkpoint in checkpoints_up_to(newest):
                 link_checkpoint(self.out, checkpoint)
-        return None if newest is None else Path(newest)
+        return newest
 
     def fail(self, error: str, message: str) -> int:
         from collage.app.status import ACTIVE, RunStatus
@@ -212,6 +229,7 @@ def main(run_id: str, attempt_number: int) -> int:
     from collage.app.store.writer import StaleAttempt
     from collage.app.trust import config_violations
     from collage.training.config import parse_config
+    from collage.training.objectstore import StorageError
     from collage.training.trainer import TrainingError
 
     from .store_callback import EXIT_STALE, StoreCallback
@@ -222,9 +240,13 @@ def main(run_id: str, attempt_number: int) -> int:
     if config_data is None:
         print(f"run {run_id}: attempt {attempt_number} is not current", file=sys.stderr)
         return EXIT_STALE
-    newest = attempt.link_earlier_checkpoints()
+    try:
+        newest = attempt.link_earlier_checkpoints()
+    except (CheckpointMissing, StorageError) as exc:
+        return attempt.fail(str(exc), f"failed: {exc}"[:500])
     callback = StoreCallback(attempt.writer, run_id, heartbeat_every=attempt.settings.heartbeat_interval,
-                             ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE"))  # fmt: skip
+                             ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE"),
+                             artifacts=attempt.settings.artifacts, mirror=attempt.settings.mirror())  # fmt: skip
     trackers: TrackersCallback | None = None
     try:
         if attempt.rank == 0:

@@ -69,7 +69,9 @@ def run_export(context: JobContext) -> dict[str, Any]:
     folder = checkpoint_store.checkpoint_folder(entry.path, settings.artifacts, run_id)
     if folder is None:
         raise JobFailed(f"checkpoint step {step} of run {run_id} is recorded outside the run's folder: refused")
-    if not (folder / checkpoint_store.MODEL_FOLDER).is_dir():
+    context.progress(0.0, "fetching the checkpoint" if settings.remote_artifacts else "finding the checkpoint")
+    present = checkpoint_store.local_checkpoint(folder, settings.artifacts, settings.mirror())
+    if not present or not (folder / checkpoint_store.MODEL_FOLDER).is_dir():
         raise JobFailed(f"checkpoint step {step} of run {run_id} is recorded but its files are gone")
     try:
         config = parse_config(run.config)
@@ -87,10 +89,13 @@ def run_export(context: JobContext) -> dict[str, Any]:
         "dtype": config.model.dtype,
     }
     made = _run_process(context, request, root)
+    _publish(context, out)
     try:
         context.progress(1.0, "exported")  # a cancel that came while the process finished: its export goes too
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
+        if (mirror := settings.mirror()) is not None:
+            mirror.delete_folder(export_store.export_path(job.id))
         raise
     _replace_older(context)
     return {
@@ -191,12 +196,28 @@ def _kill(proc: subprocess.Popen[Any]) -> None:
         log.error("export process %s did not end after SIGKILL", proc.pid)
 
 
+def _publish(context: JobContext, out: Path) -> None:
+    """With object storage, the export goes to the bucket (its manifest last) before the job succeeds: any web node
+    serves it from there. The local copy stays as this host's cache."""
+    mirror = context.settings.mirror()
+    if mirror is None:
+        return
+    context.progress(0.99, "uploading the export")
+    try:
+        mirror.put_folder(export_store.export_path(context.job.id), out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
 def _replace_older(context: JobContext) -> None:
     """Each token keeps its newest export on disk: the same token's earlier ones are removed now (and the folder of
     one cancelled just as it finished, if any)."""
     root = export_store.exports_root(Path(context.settings.artifacts))
     for old in export_store.older_exports(context.engine, context.job):
         shutil.rmtree(root / old.id, ignore_errors=True)
+        if (mirror := context.settings.mirror()) is not None:
+            mirror.delete_folder(export_store.export_path(old.id))
         if old.status == RunStatus.SUCCEEDED:
             export_store.mark_removed(
                 context.engine, old.id, f"replaced by the newer export {context.job.id} of the same token (each "

@@ -49,6 +49,8 @@ def run_worker(
         die_with_parent(int(parent), signal.SIGTERM)
     settings = get_settings()
     engine = engine_for(settings.database_url)
+    if (mirror := settings.mirror()) is not None:  # the bucket exists before the first run writes to it
+        mirror.ensure_bucket()
     check_migrated(engine)
     from . import tasks
     from .celery_app import celery_app, declare_embedded_queues

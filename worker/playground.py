@@ -235,6 +235,22 @@ def _check_model(model: dict[str, Any], settings: Settings) -> None:
     under this worker's COLLAGE_MODEL_ROOTS (the web node checked its own roots)."""
     if model["kind"] == "base" and (problem := base_model_problem(model["path"], settings)) is not None:
         raise JobFailed(f"{model['label']}: refused by this worker: {problem}")
+    if model["kind"] != "base":
+        model["path"] = str(_local_checkpoint_model(model, settings))
+
+
+def _local_checkpoint_model(model: dict[str, Any], settings: Settings) -> Path:
+    """The checkpoint's ``model/`` folder on this worker: confined to the run's folder under this worker's artifacts
+    (with object storage the store records it relative to them) and fetched from the bucket when this host lacks it.
+    A folder that is nowhere is left for the playground process to report as gone."""
+    from collage.app.store.checkpoints import MODEL_FOLDER, checkpoint_folder, local_checkpoint
+
+    recorded = str(model["path"]).removesuffix("/" + MODEL_FOLDER)
+    folder = checkpoint_folder(recorded, settings.artifacts, str(model.get("run") or ""))
+    if folder is None:
+        raise JobFailed(f"{model['label']}: its checkpoint is recorded outside the run's folder: refused")
+    local_checkpoint(folder, settings.artifacts, settings.mirror())
+    return folder / MODEL_FOLDER
 
 
 def _rewards(model: dict[str, Any], settings: Settings) -> tuple[list[dict[str, Any]], dict[str, str]]:

@@ -11,6 +11,9 @@ from pathlib import Path
 from collage.app.models import RunStatus
 from collage.app.store.writer import ImageIn, SampleIn, StaleAttempt, StoreWriter
 from collage.training.callbacks import BackgroundWriter, Callback, CheckpointInfo, RolloutRow
+from collage.training.objectstore import ObjectMirror
+
+from .checkpoint_publisher import CheckpointPublisher
 
 log = logging.getLogger("collage.worker")
 
@@ -53,8 +56,17 @@ class StoreCallback(Callback):
         heartbeat_every: float = 5.0,
         ready_file: str | None = None,
         queue_size: int = 8,
+        artifacts: Path | None = None,
+        mirror: ObjectMirror | None = None,
     ):
         self.writer = writer
+        # with object storage a checkpoint is uploaded (off the loop, on its own thread: a large model must not hold
+        # up the metrics) and recorded, relative to the artifacts, only once its manifest is in the bucket
+        self.publisher = None
+        if mirror is not None and artifacts is not None:
+            self.publisher = CheckpointPublisher(
+                writer, run_id, artifacts, mirror, store_flush=self.flush_store_writes, on_error=self._stale
+            )
         self.queue_size = queue_size
         self._background: BackgroundWriter | None = None
         self.run_id = run_id
@@ -101,10 +113,16 @@ class StoreCallback(Callback):
     def flush(self) -> None:
         if self._background is not None:
             self._background.flush()
+        if self.publisher is not None:
+            self.publisher.flush()
 
     def close(self) -> None:
-        if self._background is not None:
-            self._background.close()
+        try:  # the uploads first: their records go after the store writes queued before them
+            if self.publisher is not None:
+                self.publisher.close()
+        finally:
+            if self._background is not None:
+                self._background.close()
 
     def on_start(self, config, resumed_from_step: int) -> None:
         self.close()
@@ -125,6 +143,9 @@ class StoreCallback(Callback):
         self.background.put(lambda: self.writer.set_progress(self.run_id, step))
 
     def on_checkpoint(self, step: int, path: str, info: CheckpointInfo) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(step, path, info)
+            return
         self.background.put(
             lambda: self.writer.add_checkpoint(
                 self.run_id, step, path, kind=info.kind, size=info.bytes, metric=info.metric
@@ -132,7 +153,14 @@ class StoreCallback(Callback):
         )
 
     def on_checkpoint_removed(self, step: int, path: str) -> None:
+        if self.publisher is not None:
+            self.publisher.remove(step, path)
+            return
         self.background.put(lambda: self.writer.remove_checkpoint(self.run_id, step))
+
+    def flush_store_writes(self) -> None:
+        if self._background is not None:
+            self._background.flush()
 
     def should_stop(self) -> bool:
         return self.writer.run_status(self.run_id) in (RunStatus.CANCELLING, RunStatus.CANCELLED, None)

@@ -14,6 +14,8 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, HTTPException
 from sqlmodel import Session
 
+from collage.training.objectstore import ObjectMirror
+
 from .. import tarstream
 from ..auth import UNAUTHORIZED, Responses, require_token
 from ..deps import ExportSlotsDep, SessionDep, SettingsDep, StreamSessionDep
@@ -79,8 +81,11 @@ def resolve(session: Session, run: Run, asked: store.StepChoice) -> store.Checkp
         raise HTTPException(exc.status, str(exc)) from exc
 
 
-def model_folder(entry: store.CheckpointEntry, artifacts: Path, run_id: str) -> Path:
-    """The checkpoint's ``model/`` folder, confined to the run's folder under the artifacts; 409 / 410 otherwise."""
+def model_folder(
+    entry: store.CheckpointEntry, artifacts: Path, run_id: str, mirror: ObjectMirror | None = None
+) -> Path:
+    """The checkpoint's ``model/`` folder, confined to the run's folder under the artifacts (fetched from the bucket
+    when this host does not have it); 409 / 410 otherwise."""
     folder = store.checkpoint_folder(entry.path, artifacts, run_id)
     if folder is None:
         raise HTTPException(
@@ -89,7 +94,7 @@ def model_folder(entry: store.CheckpointEntry, artifacts: Path, run_id: str) -> 
             "COLLAGE_ARTIFACTS: it is not served",
         )
     model = folder / store.MODEL_FOLDER
-    if not model.is_dir():
+    if not store.local_checkpoint(folder, artifacts, mirror) or not model.is_dir():
         raise HTTPException(
             410, f"checkpoint step {entry.step} of run {run_id} is recorded but its files are gone ({model.name}/)"
         )
@@ -128,5 +133,5 @@ def download_checkpoint(
     asked = asked_step(step)
     run = get_run_or_404(session, run_id)
     entry = resolve(session, run, asked)
-    root = model_folder(entry, settings.artifacts, run.id)
+    root = model_folder(entry, settings.artifacts, run.id, settings.mirror())
     return tar_response(slots, settings, root, f"{run.id}-step-{entry.step}")

@@ -17,6 +17,8 @@ from fastapi import APIRouter, Body, Depends, HTTPException, Response
 from fastapi.responses import StreamingResponse
 from sqlalchemy.engine import Engine
 
+from collage.training.objectstore import ensure_local_folder
+
 from ..auth import FORBIDDEN, UNAUTHORIZED, is_admin, owns, require_token
 from ..deps import CurrentUser, DispatcherDep, EngineDep, ExportSlotsDep, SessionDep, SettingsDep
 from ..models import Job
@@ -164,6 +166,9 @@ def download_export(job_id: str, engine: EngineDep, settings: SettingsDep, slots
     if result.get("removed"):
         raise HTTPException(410, f"export {job.id} was removed: {result['removed']}")
     root = store.exports_root(settings.artifacts) / job.id  # never a path from the store
+    # with object storage the export is in the bucket; a web node that has not served it yet fetches it first
+    if not ensure_local_folder(settings.artifacts, root, settings.mirror()):
+        raise HTTPException(410, f"export {job.id}: its files are gone")
     name = f"{job.run_id}-step-{job.request.get('step')}" + ("-merged" if job.request.get("merge_lora") else "")
     return tar_response(slots, settings, root, name)
 

@@ -130,7 +130,7 @@ async def upload_image(request: Request, token: CurrentUser, settings: SettingsD
             image = await run_in_threadpool(clean_upload, data, settings.upload_max_pixels)
         except ImageRefused as exc:
             raise _field_error("file", f"the file {exc}") from exc
-    sha, rel = await run_in_threadpool(write_image, settings.artifacts, image.png)
+    sha, rel = await run_in_threadpool(write_image, settings.artifacts, image.png, None, settings.mirror())
     assert token.id is not None
     try:
         stored = await run_in_threadpool(

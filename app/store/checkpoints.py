@@ -25,6 +25,7 @@ from sqlalchemy import select
 from sqlmodel import Session, col
 
 from collage.training.config import TrainSettings
+from collage.training.objectstore import ObjectMirror, ensure_local_folder
 from collage.training.retention import best_checkpoint
 
 from ..errors import WebError
@@ -199,11 +200,23 @@ def pick(entries: Sequence[CheckpointEntry], asked: StepChoice, rule: BestRule, 
 def checkpoint_folder(path: str, artifacts: Path, run_id: str) -> Path | None:
     """The checkpoint folder ``path`` (from the store) resolved (``..``, links), or None unless it lies inside the
     run's own folder ``artifacts/runs/<run_id>/`` (where its attempts write, worker/child.py): a path a confused or
-    compromised writer recorded (``/``, another run's folder, the artifacts' root) is never read."""
-    if not path or "\x00" in path or not Path(path).is_absolute():
+    compromised writer recorded (``/``, another run's folder, the artifacts' root) is never read.
+
+    With object storage the path is relative to the artifacts (each host caches the bucket in its own folder): it is
+    resolved under this host's ``artifacts``, and may not be on this host yet (:func:`local_checkpoint` fetches it)."""
+    if not path or "\x00" in path:
         return None
+    if not Path(path).is_absolute():
+        path = str(Path(artifacts) / path)
     own = Path(artifacts) / RUNS_FOLDER / run_id
     folder = confined(path, [own])
     if folder is None or folder == own.expanduser().resolve():
         return None
     return folder
+
+
+def local_checkpoint(folder: Path, artifacts: Path, mirror: ObjectMirror | None) -> bool:
+    """Make sure the checkpoint ``folder`` (from :func:`checkpoint_folder`) is on this host: with object storage a
+    host that does not have it downloads it whole from the bucket (checked against its manifest). False when it is
+    neither here nor in the bucket (removed by ``train.save_total_limit``, or the run deleted)."""
+    return ensure_local_folder(Path(artifacts), folder, mirror)

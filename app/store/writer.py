@@ -22,6 +22,7 @@ from sqlmodel import Session, col
 
 from collage.app.models import table_of
 from collage.training.callbacks import scalar_columns
+from collage.training.objectstore import ObjectMirror
 
 from ..db import session_scope
 from ..errors import WebError
@@ -178,15 +179,16 @@ class StoreWriter:
     ``retry_for`` seconds). ``for_attempt`` gives a writer whose every transaction first checks (and locks)
     that the run is still active under that attempt, or raises :class:`StaleAttempt` and writes nothing."""
 
-    def __init__(self, engine: Engine, artifacts: Path, retry_for: float = 30.0):
+    def __init__(self, engine: Engine, artifacts: Path, retry_for: float = 30.0, mirror: ObjectMirror | None = None):
         self.engine = engine
         self.artifacts = Path(artifacts)
         self.retry_for = retry_for
+        self.mirror = mirror  # the artifacts' bucket: images are written there before their rows
         self.run_id: str | None = None
         self.attempt: int | None = None
 
     def for_attempt(self, run_id: str, attempt: int) -> StoreWriter:
-        guarded = StoreWriter(self.engine, self.artifacts, self.retry_for)
+        guarded = StoreWriter(self.engine, self.artifacts, self.retry_for, self.mirror)
         guarded.run_id, guarded.attempt = run_id, attempt
         return guarded
 
@@ -234,7 +236,7 @@ class StoreWriter:
                 delay = min(delay * 2, 2.0)
 
     def _unguarded(self) -> StoreWriter:
-        return StoreWriter(self.engine, self.artifacts, self.retry_for)
+        return StoreWriter(self.engine, self.artifacts, self.retry_for, self.mirror)
 
     # ----------------------------------------------------------------- runs
     def create_run(
@@ -458,7 +460,7 @@ class StoreWriter:
         for row in rows:
             shas = []
             for image in row.images:
-                sha, rel = write_image(self.artifacts, image.png, getattr(image, "sha256", None))
+                sha, rel = write_image(self.artifacts, image.png, getattr(image, "sha256", None), self.mirror)
                 images.setdefault(sha, (image.png, rel))
                 shas.append(sha)
             per_row.append(shas)

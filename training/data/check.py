@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from ..encoders import prompt_encoder_for
 from ..home import collage_home
 from ..images import ImageRefused, image_file
+from ..objectstore import ARTIFACTS_ENV, ENDPOINT_ENV, ObjectMirror, mirror_for
 from .loader import LoadedDataset, load_dataset
 from .rows import RawRow, RowError, Sample, image_source
 
@@ -299,6 +300,7 @@ def cached_check(
     fingerprint = dataset_fingerprint(dataset, model, max_prompt_length) if use_cache else None
     path = check_cache_dir() / f"{fingerprint}.json" if fingerprint else None
     if path is not None and fingerprint is not None:
+        _fetch_shared(path)
         hit = _load_cached(path, fingerprint, dataset.source)
         if hit is not None:
             return hit
@@ -309,9 +311,41 @@ def cached_check(
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(_report_record(report, fingerprint)), encoding="utf-8")
             tmp.replace(path)
+            _share(path)
         except OSError as exc:  # a read-only home only costs the next start a re-check
             log.warning("could not cache the data check in %s: %s", path.parent, exc)
     return report
+
+
+CACHE_MIRROR_RETRY = 5.0  # seconds: a cache is not worth waiting out an outage for (a miss costs a re-check)
+
+
+def _shared_cache() -> ObjectMirror | None:
+    """With object storage (``COLLAGE_ARTIFACTS=s3://...``), the checks cache is shared through the bucket
+    (``checks/<fingerprint>.json``): a run resumed on another host, or the web node's check, finds a report made
+    elsewhere."""
+    env = dict(os.environ)
+    return mirror_for(env.get(ARTIFACTS_ENV), env.get(ENDPOINT_ENV), CACHE_MIRROR_RETRY)
+
+
+def _fetch_shared(path: Path) -> None:
+    mirror = None if path.is_file() else _shared_cache()
+    if mirror is None:
+        return
+    try:
+        mirror.fetch_file(f"checks/{path.name}", path)
+    except Exception as exc:  # noqa: BLE001 - a cache: an unreachable bucket only costs a re-check
+        log.warning("could not read the shared data-check cache: %s", exc)
+
+
+def _share(path: Path) -> None:
+    mirror = _shared_cache()
+    if mirror is None:
+        return
+    try:
+        mirror.put_bytes(f"checks/{path.name}", path.read_bytes(), content_type="application/json")
+    except Exception as exc:  # noqa: BLE001 - a cache: the report is still kept on this host
+        log.warning("could not share the data-check cache in the bucket: %s", exc)
 
 
 def run_check(

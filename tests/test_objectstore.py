@@ -1,0 +1,116 @@
+"""Artifacts on object storage (collage.training.objectstore) against a real S3 server (SeaweedFS): single
+objects written once, folders visible only with their manifest, fetches checked against it, bad manifests refused,
+an unreachable server reported by name after the retry window."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from collage.training.errors import InputError
+from collage.training.objectstore import (
+    MANIFEST,
+    ObjectMirror,
+    S3Location,
+    StorageError,
+    ensure_local_file,
+    ensure_local_folder,
+    local_cache_root,
+)
+from tests.s3_support import BUCKET, CREDENTIALS, free_port, shared_endpoint
+
+
+@pytest.fixture
+def mirror(monkeypatch):
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    found = ObjectMirror(f"s3://{BUCKET}/{uuid.uuid4().hex[:10]}", shared_endpoint(), retry_for=20)
+    found.ensure_bucket()
+    return found
+
+
+def test_urls_are_parsed_and_bad_ones_named():
+    assert S3Location.parse("s3://b/one/two/") == S3Location("b", "one/two/")
+    assert S3Location.parse("s3://b").key("images/x.png") == "images/x.png"
+    for bad in ("s3://", "s3:///x", "/local/folder", "s3://b/../up"):
+        with pytest.raises(InputError, match="COLLAGE_ARTIFACTS"):
+            S3Location.parse(bad)
+
+
+def test_each_bucket_and_prefix_has_its_own_cache_folder(tmp_path):
+    assert local_cache_root(tmp_path, "s3://a/p") != local_cache_root(tmp_path, "s3://a/q")
+    assert local_cache_root(tmp_path, "s3://a/p").is_relative_to(tmp_path)
+
+
+def test_content_addressed_objects_are_written_once(mirror):
+    mirror.put_bytes("images/x.png", b"first", once=True)
+    mirror.put_bytes("images/x.png", b"second", once=True)  # the same key: kept as it was, no error
+    assert mirror.get_bytes("images/x.png") == b"first"
+    assert mirror.get_bytes("images/missing.png") is None
+    assert mirror.exists("images/x.png") and not mirror.exists("images/missing.png")
+
+
+def test_a_folder_is_there_only_with_its_manifest_and_comes_back_checked(mirror, tmp_path):
+    folder = tmp_path / "step-2"
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "weights.bin").write_bytes(b"w" * 100_000)
+    (folder / "trainer_state.pt").write_bytes(b"state")
+    mirror.put_folder("runs/r/step-2", folder)
+    manifest = mirror.manifest("runs/r/step-2")
+    assert set(manifest["files"]) == {"model/weights.bin", "trainer_state.pt"}
+    # another host's cache: fetched whole, byte for byte
+    other = tmp_path / "other-host"
+    assert ensure_local_folder(other, other / "runs/r/step-2", mirror)
+    assert (other / "runs/r/step-2/model/weights.bin").read_bytes() == b"w" * 100_000
+    # files without their manifest (an upload cut short) are not a folder
+    mirror.put_bytes("runs/r/step-4/model/weights.bin", b"half")
+    assert not ensure_local_folder(other, other / "runs/r/step-4", mirror)
+    assert not (other / "runs/r/step-4").exists()
+
+
+def test_a_damaged_or_hostile_manifest_is_refused(mirror, tmp_path):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"abc")
+    mirror.put_folder("runs/r/f", folder)
+    mirror.put_bytes("runs/r/f/a.txt", b"abd")  # changed after the manifest was written
+    with pytest.raises(StorageError, match="does not match its manifest"):
+        mirror.fetch_folder("runs/r/f", tmp_path / "dest")
+    assert not (tmp_path / "dest").exists()  # nothing half-fetched is left under the real name
+    hostile = {"files": {"../../escape.txt": {"size": 3, "sha256": "0" * 64}}}
+    mirror.put_bytes(f"runs/r/g/{MANIFEST}", json.dumps(hostile).encode())
+    with pytest.raises(StorageError, match="outside its folder"):
+        mirror.fetch_folder("runs/r/g", tmp_path / "g")
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_a_removed_folder_disappears_for_readers_at_once(mirror, tmp_path):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"abc")
+    mirror.put_folder("exports/e1", folder)
+    mirror.delete_folder("exports/e1")
+    assert mirror.manifest("exports/e1") is None
+    assert mirror.keys_under("exports/e1") == []
+
+
+def test_single_files_are_fetched_into_the_cache(mirror, tmp_path):
+    mirror.put_bytes("images/ab/cd/x.png", b"png")
+    assert ensure_local_file(tmp_path, "images/ab/cd/x.png", mirror).read_bytes() == b"png"
+    assert ensure_local_file(tmp_path, "images/ab/cd/y.png", mirror) is None
+    assert ensure_local_file(tmp_path, "images/ab/cd/y.png", None) is None
+
+
+def test_an_unreachable_server_fails_after_the_retry_window_naming_it(monkeypatch):
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    mirror = ObjectMirror("s3://b/p", endpoint, retry_for=2)
+    started = time.monotonic()
+    with pytest.raises(StorageError) as caught:
+        mirror.put_bytes("images/x.png", b"x")
+    assert endpoint in str(caught.value) and "writing images/x.png" in str(caught.value)
+    assert time.monotonic() - started >= 1.5  # it waited out the window, retrying, before giving up

@@ -1,0 +1,440 @@
+"""Artifacts on S3-compatible object storage, with each host's local folder as a cache.
+
+``COLLAGE_ARTIFACTS=s3://bucket/prefix`` puts every artifact (rollout images and thumbnails, checkpoints, exports,
+the data-check cache) under ``prefix/`` in ``bucket``, at the same relative path it has in the local folder
+(``images/ab/cd/<sha256>.png``, ``runs/<id>/attempt-<n>/checkpoints/step-<N>/...``). The local folder is then a
+cache under the host's own ``COLLAGE_HOME``: hosts share nothing but the store, the broker and the bucket.
+
+- Single objects are written whole (S3 never shows half an object); content-addressed ones are written once
+  (``If-None-Match: *``, an existing object is left as it is).
+- A folder (a checkpoint, an export) is uploaded file by file (large files multipart), then its ``MANIFEST.json``
+  (every file's size and SHA-256) last: a folder without its manifest is not there yet, whatever else is. It is
+  fetched into the cache under a temporary name, checked against the manifest, then renamed.
+- Every call retries with backoff while the server is unreachable or answers 5xx, for ``COLLAGE_S3_RETRY_FOR``
+  seconds (default 120), then raises :class:`StorageError` naming the endpoint and what failed.
+
+The client is boto3 (the AWS SDK, kept by AWS; docs/scaling.md says why); it is imported on first use, so this
+module stays light for the web node's request path. Endpoint, region and credentials come from the standard AWS
+variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, profiles, instance roles),
+plus ``COLLAGE_S3_ENDPOINT_URL`` for a server that is not AWS (SeaweedFS, MinIO, R2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import InputError, MissingExtraError, RunError
+
+T = TypeVar("T")
+
+ARTIFACTS_ENV = "COLLAGE_ARTIFACTS"
+ENDPOINT_ENV = "COLLAGE_S3_ENDPOINT_URL"
+RETRY_ENV = "COLLAGE_S3_RETRY_FOR"
+MANIFEST = "MANIFEST.json"
+DEFAULT_RETRY_FOR = 120.0
+MULTIPART_THRESHOLD = 64 << 20  # files above this go up in 64 MiB parts, several at once
+CHUNK = 1 << 20
+
+
+class StorageError(RunError):
+    """The object store could not be reached (or refused a request) for longer than the retry window."""
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str  # "" or ends with "/"
+
+    @classmethod
+    def parse(cls, url: str) -> S3Location:
+        """``s3://bucket`` or ``s3://bucket/some/prefix``; anything else is refused with the variable's name."""
+        rest = url[len("s3://") :] if url.startswith("s3://") else None
+        bucket, _, prefix = (rest or "").partition("/")
+        if not rest or not bucket or "\x00" in url or ".." in prefix.split("/"):
+            raise InputError(f"{ARTIFACTS_ENV}: {url!r} is not s3://bucket[/prefix]")
+        prefix = prefix.strip("/")
+        return cls(bucket, prefix + "/" if prefix else "")
+
+    def key(self, rel: str) -> str:
+        return self.prefix + rel.lstrip("/")
+
+
+def is_remote(url: str | os.PathLike[str] | None) -> bool:
+    return str(url or "").startswith("s3://")
+
+
+def local_cache_root(home: Path, url: str) -> Path:
+    """Where a host caches the objects of ``url``: its own home, one folder per bucket and prefix."""
+    location = S3Location.parse(url)
+    return home / "cache" / "s3" / location.bucket / location.prefix.rstrip("/")
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """A fault that waiting may cure: the server down or restarting, a timeout, a 5xx or a throttle."""
+    try:
+        from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+    except ImportError:  # pragma: no cover - only without the s3 extra, where no client exists either
+        return False
+    if isinstance(exc, (ConnectionError, HTTPClientError)):
+        return True
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        code = exc.response.get("Error", {}).get("Code", "")
+        return status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout", "InternalError")
+    return isinstance(exc, (OSError, TimeoutError)) and not isinstance(exc, FileNotFoundError)
+
+
+def _is_missing(exc: BaseException) -> bool:
+    from botocore.exceptions import ClientError
+
+    if not isinstance(exc, ClientError):
+        return False
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ObjectMirror:
+    """The artifacts' bucket: every artifact's relative path is its key under the prefix. Thread-safe (boto3
+    clients are); one per process through :func:`mirror_for`."""
+
+    def __init__(
+        self,
+        url: str,
+        endpoint_url: str | None = None,
+        retry_for: float = DEFAULT_RETRY_FOR,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.url = url
+        self.location = S3Location.parse(url)
+        self.endpoint_url = endpoint_url or None
+        self.retry_for = retry_for
+        self._sleep = sleep
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ObjectMirror({self.url!r}, endpoint={self.endpoint_url!r})"
+
+    @property
+    def where(self) -> str:
+        return f"{self.url} ({self.endpoint_url or 'AWS'})"
+
+    @property
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                try:
+                    import boto3
+                    from botocore.config import Config
+                except ImportError as exc:
+                    raise MissingExtraError("s3", f"{ARTIFACTS_ENV}={self.url}", "boto3") from exc
+                config = Config(
+                    retries={"max_attempts": 2, "mode": "standard"},  # the backoff below waits out longer faults
+                    connect_timeout=5,
+                    read_timeout=60,
+                    s3={"addressing_style": "path"},  # works on every S3-compatible server, and AWS
+                    max_pool_connections=32,
+                )
+                self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
+            return self._client
+
+    def _retry(self, what: str, call: Callable[[], T]) -> T:
+        """``call()``, again with exponential backoff (0.25 s doubling to 8 s, jittered) while the fault is
+        transient, for at most ``retry_for`` seconds in all."""
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.25
+        while True:
+            try:
+                return call()
+            except Exception as exc:
+                if not _is_transient(exc):
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StorageError(
+                        f"object storage {self.where}: {what} failed for {self.retry_for:.0f} s: {exc}"
+                    ) from exc
+                self._sleep(min(delay * (0.5 + random.random()), left))
+                delay = min(delay * 2, 8.0)
+
+    # ----------------------------------------------------------------------------------------- single objects
+    def ensure_bucket(self) -> None:
+        """Create the bucket when it does not exist (an operator's existing bucket is left as it is)."""
+        from botocore.exceptions import ClientError
+
+        bucket = self.location.bucket
+
+        def ensure() -> None:
+            try:
+                self.client.head_bucket(Bucket=bucket)
+            except ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code")) not in ("404", "NoSuchBucket", "NotFound"):
+                    raise
+                try:
+                    self.client.create_bucket(Bucket=bucket)
+                except ClientError as again:  # another host made it first
+                    if again.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou",
+                                                                           "BucketAlreadyExists"):  # fmt: skip
+                        raise
+
+        self._retry(f"checking bucket {bucket}", ensure)
+
+    def exists(self, rel: str) -> bool:
+        def head() -> bool:
+            try:
+                self.client.head_object(Bucket=self.location.bucket, Key=self.location.key(rel))
+                return True
+            except Exception as exc:
+                if _is_missing(exc):
+                    return False
+                raise
+
+        return self._retry(f"looking up {rel}", head)
+
+    def put_bytes(self, rel: str, data: bytes, once: bool = False, content_type: str | None = None) -> None:
+        """Write ``data`` whole; ``once``: content-addressed, so an object already there is the same and is kept."""
+        from botocore.exceptions import ClientError
+
+        extra: dict[str, Any] = {"ContentType": content_type} if content_type else {}
+        if once:
+            extra["IfNoneMatch"] = "*"
+
+        def put() -> None:
+            try:
+                self.client.put_object(Bucket=self.location.bucket, Key=self.location.key(rel), Body=data, **extra)
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code")
+                if once and code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return
+                raise
+
+        self._retry(f"writing {rel}", put)
+
+    def get_bytes(self, rel: str) -> bytes | None:
+        """The object's bytes, or None when there is no such object."""
+
+        def get() -> bytes | None:
+            try:
+                answer = self.client.get_object(Bucket=self.location.bucket, Key=self.location.key(rel))
+                return answer["Body"].read()
+            except Exception as exc:
+                if _is_missing(exc):
+                    return None
+                raise
+
+        return self._retry(f"reading {rel}", get)
+
+    def put_file(self, rel: str, path: Path, content_type: str | None = None) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD)
+        extra = {"ContentType": content_type} if content_type else None
+        self._retry(
+            f"uploading {rel}",
+            lambda: self.client.upload_file(
+                str(path), self.location.bucket, self.location.key(rel), Config=config, ExtraArgs=extra
+            ),
+        )
+
+    def fetch_file(self, rel: str, dest: Path) -> bool:
+        """Download the object to ``dest`` (through a temporary name); False when there is no such object."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+
+        def download() -> bool:
+            fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".fetch-")
+            os.close(fd)
+            try:
+                self.client.download_file(self.location.bucket, self.location.key(rel), tmp)
+                os.replace(tmp, dest)
+                return True
+            except Exception as exc:
+                if _is_missing(exc):
+                    return False
+                raise
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+
+        return self._retry(f"downloading {rel}", download)
+
+    def stream(self, rel: str) -> tuple[Iterator[bytes], int] | None:
+        """The object's bytes in chunks with its length, or None when there is no such object (for a response
+        that streams from the store without a local copy)."""
+
+        def get() -> tuple[Iterator[bytes], int] | None:
+            try:
+                answer = self.client.get_object(Bucket=self.location.bucket, Key=self.location.key(rel))
+            except Exception as exc:
+                if _is_missing(exc):
+                    return None
+                raise
+            return answer["Body"].iter_chunks(CHUNK), int(answer["ContentLength"])
+
+        return self._retry(f"reading {rel}", get)
+
+    def presign(self, rel: str, seconds: int) -> str:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.location.bucket, "Key": self.location.key(rel)}, ExpiresIn=seconds
+        )
+
+    def keys_under(self, rel: str) -> list[str]:
+        """Every key under the folder ``rel``, relative to it."""
+        base = self.location.key(rel.rstrip("/") + "/")
+
+        def listing() -> list[str]:
+            found: list[str] = []
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.location.bucket,
+                                                                              Prefix=base):  # fmt: skip
+                found += [item["Key"][len(base) :] for item in page.get("Contents", [])]
+            return found
+
+        return self._retry(f"listing {rel}", listing)
+
+    # ------------------------------------------------------------------------------------------------ folders
+    def put_folder(self, rel: str, folder: Path) -> dict[str, Any]:
+        """Upload every file of ``folder`` (links followed), then its manifest, last. Returns the manifest."""
+        files: dict[str, dict[str, Any]] = {}
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            name = path.relative_to(folder).as_posix()
+            if name == MANIFEST:
+                continue
+            files[name] = {"size": path.stat().st_size, "sha256": _sha256_file(path)}
+            self.put_file(f"{rel}/{name}", path)
+        manifest = {"files": files, "written_at": time.time()}
+        self.put_bytes(f"{rel}/{MANIFEST}", json.dumps(manifest).encode(), content_type="application/json")
+        return manifest
+
+    def manifest(self, rel: str) -> dict[str, Any] | None:
+        data = self.get_bytes(f"{rel}/{MANIFEST}")
+        return None if data is None else json.loads(data)
+
+    def fetch_folder(self, rel: str, dest: Path) -> bool:
+        """Download the folder ``rel`` into ``dest`` (replaced whole, through a temporary folder), each file checked
+        against the manifest. False when it has no manifest (never written whole, or removed)."""
+        manifest = self.manifest(rel)
+        if manifest is None:
+            return False
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.fetch-"))
+        try:
+            for name, entry in _checked_names(manifest["files"], rel).items():
+                target = tmp / name
+                if not self.fetch_file(f"{rel}/{name}", target):
+                    raise StorageError(f"object storage {self.where}: {rel}/{name} is in the manifest but missing")
+                if target.stat().st_size != entry["size"] or _sha256_file(target) != entry["sha256"]:
+                    raise StorageError(f"object storage {self.where}: {rel}/{name} does not match its manifest")
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return True
+
+    def delete_folder(self, rel: str) -> None:
+        """Remove the folder: its manifest first (it is gone for every reader at once), then the rest."""
+        bucket = self.location.bucket
+        manifest_key = self.location.key(f"{rel}/{MANIFEST}")
+        self._retry(f"removing {rel}", lambda: self.client.delete_object(Bucket=bucket, Key=manifest_key))
+        keys = [self.location.key(f"{rel}/{name}") for name in self.keys_under(rel)]
+        for start in range(0, len(keys), 1000):
+            objects = [{"Key": k} for k in keys[start : start + 1000]]
+            self._delete_batch(rel, objects)
+
+    def _delete_batch(self, rel: str, objects: list[dict[str, str]]) -> None:
+        batch = {"Objects": objects, "Quiet": True}
+        self._retry(f"removing {rel}", lambda: self.client.delete_objects(Bucket=self.location.bucket, Delete=batch))
+
+
+def _checked_names(files: Mapping[str, Any], rel: str) -> dict[str, Any]:
+    """The manifest's file names, refused if one would leave the folder (a manifest is data too)."""
+    for name in files:
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or "\x00" in name:
+            raise StorageError(f"the manifest of {rel} names a file outside its folder: {name!r}")
+    return dict(files)
+
+
+@lru_cache(maxsize=8)
+def _mirror(url: str, endpoint_url: str | None, retry_for: float) -> ObjectMirror:
+    return ObjectMirror(url, endpoint_url, retry_for)
+
+
+def mirror_for(
+    url: str | None, endpoint_url: str | None = None, retry_for: float = DEFAULT_RETRY_FOR
+) -> ObjectMirror | None:
+    """The process's mirror of ``url`` (None for a local folder)."""
+    if not is_remote(url):
+        return None
+    assert url is not None
+    return _mirror(url, endpoint_url or None, retry_for)
+
+
+def mirror_from_env(environ: Mapping[str, str] = os.environ) -> ObjectMirror | None:
+    """The mirror ``COLLAGE_ARTIFACTS`` names, for code outside the web app and the worker (the training library's
+    data-check cache); the app's Settings read the same variables."""
+    return mirror_for(environ.get(ARTIFACTS_ENV), environ.get(ENDPOINT_ENV), retry_for_of(environ))
+
+
+def retry_for_of(environ: Mapping[str, str]) -> float:
+    value = environ.get(RETRY_ENV, "").strip()
+    try:
+        seconds = float(value) if value else DEFAULT_RETRY_FOR
+    except ValueError as exc:
+        raise InputError(f"{RETRY_ENV}: {value!r} is not a number of seconds") from exc
+    if seconds < 0:
+        raise InputError(f"{RETRY_ENV}: {seconds} is negative")
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------- the local cache
+def ensure_local_file(root: Path, rel: str, mirror: ObjectMirror | None) -> Path | None:
+    """``root/rel``, fetched from the mirror when this host does not have it; None when it is nowhere."""
+    path = root / rel
+    if path.is_file():
+        return path
+    if mirror is not None and mirror.fetch_file(rel, path):
+        return path
+    return None
+
+
+def ensure_local_folder(root: Path, folder: Path, mirror: ObjectMirror | None) -> bool:
+    """Make sure the folder ``folder`` (under ``root``) is on this host: fetched whole from the mirror when it is
+    not. False when it is neither here nor (complete) in the bucket."""
+    if folder.is_dir():
+        return True
+    if mirror is None:
+        return False
+    try:
+        rel = folder.relative_to(root).as_posix()
+    except ValueError:
+        return False
+    return mirror.fetch_folder(rel, folder)
+
+
+def relative_to_root(root: Path, path: Path | str) -> str | None:
+    """``path``'s key under ``root`` (links in its folders resolved), or None when it lies outside."""
+    try:
+        return Path(path).absolute().relative_to(root.absolute()).as_posix()
+    except ValueError:
+        try:
+            return Path(path).resolve().relative_to(root.resolve()).as_posix()
+        except ValueError:
+            return None
