@@ -156,6 +156,9 @@ def downgrade(url: str, revision: str) -> None:
     _migrate(url, revision, down=True)
 
 
+MIGRATION_LOCK = 0x636F6C6C616765  # "collage": the advisory lock that serialises migrations on PostgreSQL
+
+
 def _migrate(url: str, revision: str, down: bool) -> None:
     from alembic import command
 
@@ -170,6 +173,10 @@ def _migrate(url: str, revision: str, down: bool) -> None:
                 connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
                 connection.commit()
             with connection.begin():
+                if connection.dialect.name == "postgresql":
+                    # web replicas (and workers) may start at once: one migrates, the others wait here, then find
+                    # the store at the newest revision (the lock ends with this transaction)
+                    connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
                 config = alembic_config(url)
                 config.attributes["connection"] = connection
                 (command.downgrade if down else command.upgrade)(config, revision)

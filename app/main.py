@@ -57,9 +57,12 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         redoc_url=None,
     )
     Path(settings.artifacts).mkdir(parents=True, exist_ok=True)
-    from .web.session import session_secret
+    if (mirror := settings.mirror()) is not None:  # created when missing (an operator's bucket is kept as it is)
+        mirror.ensure_bucket()
+    from .store.tokens import installation_secret
 
-    init_state(app, settings, engine, dispatcher, session_secret(Path(settings.home)))
+    # the installation's signing key is kept in the store, shared by every web replica (never COLLAGE_HOME's)
+    init_state(app, settings, engine, dispatcher, installation_secret(engine))
     # the order below is the order requests meet them: middleware first, then routes in the order they were added
     _add_middleware(app, settings)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")

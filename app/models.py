@@ -207,6 +207,17 @@ class LoginLink(SQLModel, table=True):
     used_at: datetime | None = None
 
 
+class InstallationSecret(SQLModel, table=True):
+    """A secret every process of one installation shares (0008): made once, by whichever process needs it first,
+    so that web replicas on different machines sign and check alike (``app/store/tokens.py``)."""
+
+    __tablename__ = "installation_secrets"
+
+    name: str = Field(primary_key=True, max_length=64)  # what it is for: "signing" (API cursors)
+    value: str = Field(max_length=128)
+    created_at: datetime = Field(default_factory=utcnow)
+
+
 class AuditEntry(SQLModel, table=True):
     """Who did what to which run or token (kept when the run itself is deleted)."""
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,18 +26,28 @@ def token_file(home: Path) -> Path:
 SERVE_TOKEN = "collage serve"
 
 
-def ensure_token(engine, home: Path) -> str:
-    """This installation's first token, an admin one, kept (mode 0600) in COLLAGE_HOME for `collage submit` on
-    this machine; made if missing (or revoked: a revoked serve token is replaced, under the same name)."""
+def serve_token_name(home: Path, workers: int) -> str:
+    """The name of the admin token a `collage serve` keeps in its home: ``collage serve`` for a machine that runs
+    everything, and one per web node for web-only nodes (``--workers 0``): replicas with homes of their own must
+    never replace each other's token (a host and its home name it, so a lost token file replaces only its own)."""
+    if workers > 0:
+        return SERVE_TOKEN
+    place = f"{socket.gethostname()}:{home.expanduser().absolute()}"
+    return f"collage web {socket.gethostname()[:40]} {hashlib.sha256(place.encode()).hexdigest()[:8]}"
+
+
+def ensure_token(engine, home: Path, name: str = SERVE_TOKEN) -> str:
+    """This node's admin token ``name``, kept (mode 0600) in COLLAGE_HOME for `collage submit` on this machine;
+    made if missing (or revoked: a revoked serve token is replaced, under the same name)."""
     path = token_file(home)
     if path.is_file():
         token = path.read_text().strip()
         found = verify_token(engine, token) if token else None
         if found is not None:
             return token
-    if any(t.name == SERVE_TOKEN and usable(t) for t in list_tokens(engine)):
-        revoke_token(engine, SERVE_TOKEN, actor="collage serve")  # its file was lost: the secret is unknown
-    token = create_token(engine, SERVE_TOKEN, TokenRole.ADMIN, actor="collage serve")
+    if any(t.name == name and usable(t) for t in list_tokens(engine)):
+        revoke_token(engine, name, actor="collage serve")  # its file was lost: the secret is unknown
+    token = create_token(engine, name, TokenRole.ADMIN, actor="collage serve")
     home.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -55,11 +67,12 @@ def serve(host: str, port: int, workers: int) -> int:
     settings = get_settings()
     upgrade(settings.database_url)
     engine = engine_for(settings.database_url)
-    ensure_token(engine, settings.home)
+    name = serve_token_name(settings.home, workers)
+    ensure_token(engine, settings.home, name)
     removed = clean_stale_temp_folders()
     if removed:
         print(f"removed {removed} unfinished synthetic dataset folder(s) left by an earlier crash", flush=True)
-    link = create_login_link(engine, SERVE_TOKEN, actor="collage serve")
+    link = create_login_link(engine, name, actor="collage serve")
     app = create_app(settings, CeleryDispatcher(settings, engine))
     pool = WorkerPool(workers)
     pool.start()
@@ -69,7 +82,7 @@ def serve(host: str, port: int, workers: int) -> int:
     print(f"Collage is serving on {base}", flush=True)
     print(f"  login link: {base}/login/link/{link}   (one use, 10 minutes; `collage token link NAME` for more)",
           flush=True)  # fmt: skip
-    print(f"  admin API token in {token_file(settings.home)} (`collage submit` reads it)", flush=True)
+    print(f"  admin API token in {token_file(settings.home)} (`collage submit` reads it; its name: {name})", flush=True)
     print(f"  API docs:   {base}/api/v1/docs", flush=True)
     print(f"  store: {engine.url.render_as_string(hide_password=True)}; workers: {workers}", flush=True)
     try:

@@ -24,6 +24,7 @@ ENV_VARS = (
     # object storage (COLLAGE_ARTIFACTS=s3://bucket/prefix; credentials and region: the standard AWS variables)
     "COLLAGE_S3_ENDPOINT_URL",
     "COLLAGE_S3_PRESIGN",
+    "COLLAGE_S3_PUBLIC_URL",
     "COLLAGE_S3_RETRY_FOR",
     "COLLAGE_HEARTBEAT_INTERVAL",
     "COLLAGE_HEARTBEAT_TIMEOUT",
@@ -99,6 +100,7 @@ class Settings:
     s3_endpoint_url: str | None = None  # a server that is not AWS (SeaweedFS, MinIO); None: AWS itself
     # seconds a presigned URL is valid: > 0 redirects image and download requests to the bucket, 0 streams them
     s3_presign: int = 0
+    s3_public_url: str | None = None  # the endpoint browsers reach, for presigned URLs (default: s3_endpoint_url)
     s3_retry_for: float = 120.0  # seconds an object-storage call retries an unreachable server before failing
     max_body_bytes: int = 1_048_576  # request bodies above this are refused (413)
     heartbeat_interval: float = 5.0  # seconds between a running run's heartbeats
@@ -151,7 +153,7 @@ class Settings:
 
     def mirror(self) -> ObjectMirror | None:
         """The artifacts' bucket (one client per process), or None when the artifacts are a local folder."""
-        return mirror_for(self.artifacts_url, self.s3_endpoint_url, self.s3_retry_for)
+        return mirror_for(self.artifacts_url, self.s3_endpoint_url, self.s3_retry_for, self.s3_public_url)
 
     def allowed_data_roots(self) -> tuple[Path, ...]:
         return self.data_roots or (self.home,)
@@ -177,6 +179,7 @@ class Settings:
             artifacts_url=artifacts_url,
             s3_endpoint_url=os.environ.get("COLLAGE_S3_ENDPOINT_URL") or None,
             s3_presign=int(os.environ.get("COLLAGE_S3_PRESIGN") or 0),
+            s3_public_url=os.environ.get("COLLAGE_S3_PUBLIC_URL") or None,
             s3_retry_for=retry_for_of(os.environ),
             heartbeat_interval=float(os.environ.get("COLLAGE_HEARTBEAT_INTERVAL", 5.0)),
             heartbeat_timeout=float(os.environ.get("COLLAGE_HEARTBEAT_TIMEOUT", 60.0)),

@@ -103,6 +103,12 @@ def test_with_presigned_urls_the_web_node_redirects_to_the_bucket(s3):
         assert location.startswith(web.s3_endpoint_url) and "Signature" in location
         body = urllib.request.urlopen(location, timeout=10).read()  # the browser's request, to the bucket
         assert body == pngs[1] if size == "full" else body[:4] == b"\x89PNG"
+    # signed for the address browsers use (COLLAGE_S3_PUBLIC_URL), which may differ from the web node's
+    public = web.s3_endpoint_url.replace("127.0.0.1", "localhost")
+    app.state.settings = replace(web, s3_presign=60, s3_public_url=public)
+    response = client.get(f"{API}/images/{sha}", follow_redirects=False)
+    assert response.status_code == 307 and response.headers["location"].startswith(public)
+    assert urllib.request.urlopen(response.headers["location"], timeout=10).read() == pngs[1]
 
 
 def _checkpoint_on_worker(worker, web, run: str, step: int, tmp: Path) -> dict[str, bytes]:
@@ -153,3 +159,30 @@ def test_a_store_row_naming_a_path_outside_the_runs_folder_is_refused_with_objec
     for step in (3, 4):
         response = client.get(f"{API}/runs/{run}/checkpoints/{step}/download")
         assert response.status_code == 409, response.text
+
+
+def test_a_bucket_unreachable_past_the_retry_window_fails_the_write_naming_it_and_writes_no_row(s3, monkeypatch):
+    """The rollout rows of a step are written only after their images: with the bucket gone for longer than
+    COLLAGE_S3_RETRY_FOR, the store callback's writer raises one StorageError naming the endpoint (the child turns
+    it into the run's failure, one event) and the step has no row without its image."""
+    import hashlib
+
+    from collage.app.store.writer import StoreWriter
+    from collage.training.callbacks import RolloutImage, RolloutRow
+    from collage.training.objectstore import ObjectMirror, StorageError
+    from collage.worker.store_callback import StoreCallback
+    from tests.s3_support import free_port
+
+    client, web, worker, _ = s3
+    run, _ = _run_with_images(client, worker)
+    dead = ObjectMirror(web.artifacts_url, f"http://127.0.0.1:{free_port()}", retry_for=1)
+    writer = StoreWriter(worker.engine, worker.artifacts, mirror=dead).for_attempt(run, 1)
+    callback = StoreCallback(writer, run)
+    png = _png((1, 2, 3))
+    image = RolloutImage(hashlib.sha256(png).hexdigest(), png, 8, 8)
+    row = RolloutRow(step=2, group=0, index=0, prompt="p", completion="c", images=[image], rewards={"accuracy": 0.0},
+                     reward=0.0, advantage=0.0, completion_length=1, truncated=False, row=0)  # fmt: skip
+    callback.on_samples(2, [row])
+    with pytest.raises(StorageError, match=r"127\.0\.0\.1.*failed for 1 s"):
+        callback.close()
+    assert client.get(f"{API}/runs/{run}/samples", params={"step": 2}).json()["items"] == []

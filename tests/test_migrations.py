@@ -82,3 +82,26 @@ def test_0007_keeps_old_rows_as_training_rows_and_lets_eval_rows_sit_beside_them
     with engine.begin() as conn:
         assert conn.execute(text("SELECT count(*) FROM samples")).scalar() == 1
     engine.dispose()
+
+
+def test_replicas_starting_at_once_migrate_once_and_both_start(empty_url):
+    """Two processes (web replicas) upgrading an empty PostgreSQL store at the same moment: without the advisory
+    lock one of them fails on a duplicate table; with it, one migrates and the other finds the newest revision."""
+    if not empty_url.startswith("postgresql"):
+        pytest.skip("SQLite is one machine's store: its writers are serialised by its own lock")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from collage.app.db import current_revision, head_revision, make_engine
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "COLLAGE_DATABASE_URL": empty_url, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-c", "import sys; from collage.app.db import upgrade; upgrade(sys.argv[1])", empty_url]
+    procs = [subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    engine = make_engine(empty_url)
+    assert current_revision(engine) == head_revision()
+    engine.dispose()

@@ -114,3 +114,28 @@ def test_an_unreachable_server_fails_after_the_retry_window_naming_it(monkeypatc
         mirror.put_bytes("images/x.png", b"x")
     assert endpoint in str(caught.value) and "writing images/x.png" in str(caught.value)
     assert time.monotonic() - started >= 1.5  # it waited out the window, retrying, before giving up
+
+
+def test_transient_faults_are_told_from_lasting_ones_through_boto3_s_wrappers():
+    from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    from collage.training.objectstore import _is_transient
+
+    def wrapped(error: BaseException) -> BaseException:
+        try:
+            try:
+                raise error
+            except Exception as inner:
+                raise S3UploadFailedError("Failed to upload") from inner
+        except S3UploadFailedError as outer:
+            return outer
+
+    def client_error(status: int, code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert _is_transient(wrapped(client_error(500, "InternalError")))  # the server restarting mid-upload
+    assert _is_transient(wrapped(client_error(503, "SlowDown")))
+    assert _is_transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert not _is_transient(wrapped(client_error(403, "AccessDenied")))  # fixed by a person, not by waiting
+    assert not _is_transient(OSError(28, "No space left on device"))

@@ -398,7 +398,7 @@ def test_embedded_defaults_as_collage_serve_starts_them(tmp_path):
         printed = log.read_text()
         assert f"http://127.0.0.1:{port}" in printed and "/login/link/" in printed and "admin API token in" in printed
         assert token_file.read_text().strip() not in printed, "the API token itself is never printed"
-        for name in ("collage.db", "broker.db", "token", "secret"):  # owner-only: tokens, sessions, every run
+        for name in ("collage.db", "broker.db", "token"):  # owner-only: tokens, sessions, every run
             assert stat.S_IMODE((tmp_path / "home" / name).stat().st_mode) == 0o600, name
         assert body["store"]["dialect"] == "sqlite" and body["broker"]["url"].startswith("sqla+sqlite:///")
         cfg = tmp_path / "run.yaml"

@@ -21,6 +21,7 @@ plus ``COLLAGE_S3_ENDPOINT_URL`` for a server that is not AWS (SeaweedFS, MinIO,
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import os
@@ -82,18 +83,34 @@ def local_cache_root(home: Path, url: str) -> Path:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    """A fault that waiting may cure: the server down or restarting, a timeout, a 5xx or a throttle."""
+    """A fault that waiting may cure: the server down or restarting, a timeout, a 5xx or a throttle. boto3's
+    transfers wrap the client's error (``S3UploadFailedError``, ``RetriesExceededError``): the chain is followed."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if _is_transient_one(cause):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _is_transient_one(exc: BaseException) -> bool:
     try:
         from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
     except ImportError:  # pragma: no cover - only without the s3 extra, where no client exists either
         return False
-    if isinstance(exc, (ConnectionError, HTTPClientError)):
+    from boto3.exceptions import RetriesExceededError
+    from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
+
+    if isinstance(exc, (ConnectionError, HTTPClientError, RetriesExceededError, TransferRetriesExceeded)):
         return True
     if isinstance(exc, ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         code = exc.response.get("Error", {}).get("Code", "")
         return status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout", "InternalError")
-    return isinstance(exc, (OSError, TimeoutError)) and not isinstance(exc, FileNotFoundError)
+    # a socket's own errors; a local disk that is full or read-only is not waited out
+    return isinstance(exc, (builtins.ConnectionError, TimeoutError))
 
 
 def _is_missing(exc: BaseException) -> bool:
@@ -123,10 +140,14 @@ class ObjectMirror:
         endpoint_url: str | None = None,
         retry_for: float = DEFAULT_RETRY_FOR,
         sleep: Callable[[float], None] = time.sleep,
+        public_url: str | None = None,
     ):
         self.url = url
         self.location = S3Location.parse(url)
         self.endpoint_url = endpoint_url or None
+        # the endpoint browsers reach (presigned URLs are signed for their host): the same one unless set
+        self.public_url = public_url or None
+        self._presigner: Any = None
         self.retry_for = retry_for
         self._sleep = sleep
         self._client: Any = None
@@ -143,20 +164,23 @@ class ObjectMirror:
     def client(self) -> Any:
         with self._lock:
             if self._client is None:
-                try:
-                    import boto3
-                    from botocore.config import Config
-                except ImportError as exc:
-                    raise MissingExtraError("s3", f"{ARTIFACTS_ENV}={self.url}", "boto3") from exc
-                config = Config(
-                    retries={"max_attempts": 2, "mode": "standard"},  # the backoff below waits out longer faults
-                    connect_timeout=5,
-                    read_timeout=60,
-                    s3={"addressing_style": "path"},  # works on every S3-compatible server, and AWS
-                    max_pool_connections=32,
-                )
-                self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
+                self._client = self._make_client(self.endpoint_url)
             return self._client
+
+    def _make_client(self, endpoint_url: str | None) -> Any:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:
+            raise MissingExtraError("s3", f"{ARTIFACTS_ENV}={self.url}", "boto3") from exc
+        config = Config(
+            retries={"max_attempts": 2, "mode": "standard"},  # the backoff below waits out longer faults
+            connect_timeout=5,
+            read_timeout=60,
+            s3={"addressing_style": "path"},  # works on every S3-compatible server, and AWS
+            max_pool_connections=32,
+        )
+        return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
 
     def _retry(self, what: str, call: Callable[[], T]) -> T:
         """``call()``, again with exponential backoff (0.25 s doubling to 8 s, jittered) while the fault is
@@ -292,7 +316,15 @@ class ObjectMirror:
         return self._retry(f"reading {rel}", get)
 
     def presign(self, rel: str, seconds: int) -> str:
-        return self.client.generate_presigned_url(
+        """A URL that reads the object for ``seconds``, for the endpoint browsers reach (``COLLAGE_S3_PUBLIC_URL``,
+        else the one Collage uses). Signing is local: no request is made."""
+        client = self.client
+        if self.public_url is not None:
+            with self._lock:
+                if self._presigner is None:
+                    self._presigner = self._make_client(self.public_url)
+                client = self._presigner
+        return client.generate_presigned_url(
             "get_object", Params={"Bucket": self.location.bucket, "Key": self.location.key(rel)}, ExpiresIn=seconds
         )
 
@@ -373,18 +405,21 @@ def _checked_names(files: Mapping[str, Any], rel: str) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=8)
-def _mirror(url: str, endpoint_url: str | None, retry_for: float) -> ObjectMirror:
-    return ObjectMirror(url, endpoint_url, retry_for)
+def _mirror(url: str, endpoint_url: str | None, retry_for: float, public_url: str | None) -> ObjectMirror:
+    return ObjectMirror(url, endpoint_url, retry_for, public_url=public_url)
 
 
 def mirror_for(
-    url: str | None, endpoint_url: str | None = None, retry_for: float = DEFAULT_RETRY_FOR
+    url: str | None,
+    endpoint_url: str | None = None,
+    retry_for: float = DEFAULT_RETRY_FOR,
+    public_url: str | None = None,
 ) -> ObjectMirror | None:
     """The process's mirror of ``url`` (None for a local folder)."""
     if not is_remote(url):
         return None
     assert url is not None
-    return _mirror(url, endpoint_url or None, retry_for)
+    return _mirror(url, endpoint_url or None, retry_for, public_url or None)
 
 
 def mirror_from_env(environ: Mapping[str, str] = os.environ) -> ObjectMirror | None:

@@ -132,27 +132,46 @@ class Attempt:
                 return None
             return dict(run.config)
 
-    def link_earlier_checkpoints(self) -> Path | None:
+    def link_earlier_checkpoints(self, keep_limit: bool = False) -> Path | None:
         """The newest checkpoint the store records (None: a fresh start); every earlier one up to it is linked into
         this attempt's folder, newest last, so train.save_total_limit counts and removes them too.
 
-        With object storage the store records it relative to the artifacts, and a host that does not have it (the
-        run was resumed on another host) downloads it from the bucket first (manifest-checked)."""
-        from collage.training.objectstore import ensure_local_folder
-
+        With object storage the store records them relative to the artifacts, and a host that does not have the
+        newest (the run was resumed on another host) downloads it from the bucket first (manifest-checked); with
+        ``keep_limit`` (train.save_total_limit is set) every recorded one is downloaded and linked, so that the limit
+        still removes an earlier attempt's checkpoints, from the bucket too."""
         recorded = self.store.latest_checkpoint(self.run_id)
         if recorded is None:
             return None
-        newest = Path(recorded) if Path(recorded).is_absolute() else self.settings.artifacts / recorded
-        if self.rank == 0 and not ensure_local_folder(self.settings.artifacts, newest, self.settings.mirror()):
-            raise CheckpointMissing(f"run {self.run_id}: its newest checkpoint {recorded} is neither on this host nor "
-                                    f"in the artifacts' bucket {self.settings.artifacts_url}")  # fmt: skip
-        if self.rank == 0 and newest.is_dir():
+        newest = self._local(recorded)
+        if self.rank != 0:
+            return newest
+        mirror = self.settings.mirror()
+        if mirror is None:
             from collage.training.checkpoint import checkpoints_up_to
 
-            for checkpoint in checkpoints_up_to(newest):
+            for checkpoint in checkpoints_up_to(newest) if newest.is_dir() else []:
                 link_checkpoint(self.out, checkpoint)
+            return newest
+        earlier = (
+            [path for _, path in self.store.checkpoint_paths(self.run_id) if path != recorded] if keep_limit else []
+        )
+        for path in [*earlier, recorded]:
+            self._fetch(path, required=path == recorded)
+            if self._local(path).is_dir():
+                link_checkpoint(self.out, self._local(path))
         return newest
+
+    def _local(self, recorded: str) -> Path:
+        return Path(recorded) if Path(recorded).is_absolute() else self.settings.artifacts / recorded
+
+    def _fetch(self, recorded: str, required: bool) -> None:
+        from collage.training.objectstore import ensure_local_folder
+
+        found = ensure_local_folder(self.settings.artifacts, self._local(recorded), self.settings.mirror())
+        if required and not found:
+            raise CheckpointMissing(f"run {self.run_id}: its newest checkpoint {recorded} is neither on this host nor "
+                                    f"in the artifacts' bucket {self.settings.artifacts_url}")  # fmt: skip
 
     def fail(self, error: str, message: str) -> int:
         from collage.app.status import ACTIVE, RunStatus
@@ -173,6 +192,11 @@ class Attempt:
         if self.rank == 0:
             self.store.transition(self.run_id, ACTIVE, RunStatus(status), when_attempt=self.attempt,
                                   message=f"{status} at step {step}")  # fmt: skip
+
+
+def _keeps_a_limit(config_data: dict) -> bool:
+    train = config_data.get("train")
+    return isinstance(train, dict) and train.get("save_total_limit") is not None
 
 
 def _prepare_process() -> StopOnSignal:
@@ -241,7 +265,7 @@ def main(run_id: str, attempt_number: int) -> int:
         print(f"run {run_id}: attempt {attempt_number} is not current", file=sys.stderr)
         return EXIT_STALE
     try:
-        newest = attempt.link_earlier_checkpoints()
+        newest = attempt.link_earlier_checkpoints(keep_limit=_keeps_a_limit(config_data))
     except (CheckpointMissing, StorageError) as exc:
         return attempt.fail(str(exc), f"failed: {exc}"[:500])
     callback = StoreCallback(attempt.writer, run_id, heartbeat_every=attempt.settings.heartbeat_interval,
@@ -269,7 +293,7 @@ def main(run_id: str, attempt_number: int) -> int:
         result = _train(attempt, config, out, callbacks, resume=newest is not None)
     except StaleAttempt:
         return EXIT_STALE
-    except TrainingError as exc:
+    except (TrainingError, StorageError) as exc:  # a training error, or the bucket unreachable past the retries
         print(f"run {run_id} failed: {exc}", file=sys.stderr)  # the worker's log keeps the whole error
         return attempt.fail(str(exc), f"failed: {str(exc).splitlines()[0][:500]}")
     except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero

@@ -1,6 +1,13 @@
 """Downloads that stream for a while (exports of a run's samples or metrics, checkpoint and export tars): each
 holds one of the web process's ``COLLAGE_MAX_EXPORTS`` slots while it streams; beyond them the answer is 429 with
-``Retry-After``, so slow downloads never take every worker thread."""
+``Retry-After``, so slow downloads never take every worker thread.
+
+The slots are counted per web process, also with several web replicas behind one address: what they protect is
+the process's own thread pool, which another replica's downloads do not touch, and a count that lives only in the
+process can never be left held by a replica that was killed mid-download. Every replica applies the same limit to
+itself; an installation with N replicas streams at most N x ``COLLAGE_MAX_EXPORTS`` downloads at once
+(docs/scaling.md, Web replicas). The per-token limit of export *jobs* is the store's, shared by every replica
+(``app/routers/exports.py``)."""
 
 from __future__ import annotations
 

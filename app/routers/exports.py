@@ -107,14 +107,14 @@ def create_export(
         )  # fmt: skip
     queue = queue_of(run.config)
     request_json = {"run_id": run.id, "step": entry.step, "asked": asked.step, "merge_lora": asked.merge_lora}
-    # one request of a web process at a time from the look to the new job: two threads could otherwise each see
-    # no export in flight, and the one whose timestamp is older but inserted later would also win the recheck.
-    # Across web processes the recheck below decides (the oldest job stays, a newer one gives way)
+    # one request of a web process at a time from the look to the new job (two threads could otherwise each see
+    # no export in flight); across web replicas the look and the insert lock the token's row (store.admit), and the
+    # recheck below is the last word on a store without row locks (the oldest job stays, a newer one gives way)
     with _EXPORT_ADMISSION:
-        busy = store.first_in_flight(engine, token.id) if token.id is not None else None
+        job = jobs.new_job(JobKind.EXPORT, queue, request_json, run_id=run.id, created_by=token)
+        busy = store.admit(engine, token, job)
         if busy is not None:
             raise _one_at_a_time(busy)
-        job = jobs.create_job(engine, JobKind.EXPORT, queue, request_json, run_id=run.id, created_by=token)
     first = store.first_in_flight(engine, token.id) if token.id is not None else job
     if first is not None and first.id != job.id:  # another request of this token won the race: this one gives way
         jobs.cancel_job(engine, job.id)

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
 from ..db import session_scope
-from ..models import Job, utcnow
+from ..models import ApiToken, Job, utcnow
 from ..status import ACTIVE, ENDED, JobKind, RunStatus
 
 EXPORTS_FOLDER = "exports"
@@ -39,6 +39,23 @@ def in_flight(session: Session, token_id: int) -> list[Job]:
         .order_by(col(Job.created_at), col(Job.id))
     )
     return list(session.scalars(query))
+
+
+def admit(engine: Engine, token: ApiToken, job: Job) -> Job | None:
+    """Insert the export ``job`` unless ``token`` has one in flight; returns that one instead (nothing inserted).
+
+    The look and the insert are one transaction that first locks the token's row (PostgreSQL), so requests of one
+    token on different web replicas take turns: the second sees the first's job. SQLite has no row locks; a
+    one-machine store has one web process, whose own lock (the router's) serialises them."""
+    assert token.id is not None
+    with Session(engine, expire_on_commit=False) as session:
+        session.execute(select(col(ApiToken.id)).where(col(ApiToken.id) == token.id).with_for_update())
+        busy = in_flight(session, token.id)
+        if busy:
+            return busy[0]
+        session.add(job)
+        session.commit()
+    return None
 
 
 def first_in_flight(engine: Engine, token_id: int) -> Job | None:

@@ -52,7 +52,22 @@ def create_job(
     run_id: str | None = None,
     created_by: ApiToken | None = None,
 ) -> Job:
-    job = Job(
+    job = new_job(kind, queue, request, run_id, created_by)
+    with Session(engine, expire_on_commit=False) as session:
+        session.add(job)
+        session.commit()
+    return job
+
+
+def new_job(
+    kind: JobKind,
+    queue: str,
+    request: Mapping[str, Any],
+    run_id: str | None = None,
+    created_by: ApiToken | None = None,
+) -> Job:
+    """A queued job, not yet in the store."""
+    return Job(
         id=new_job_id(),
         kind=kind.value,
         run_id=run_id,
@@ -61,10 +76,6 @@ def create_job(
         status=RunStatus.QUEUED.value,
         created_by=created_by.id if created_by is not None else None,
     )
-    with Session(engine, expire_on_commit=False) as session:
-        session.add(job)
-        session.commit()
-    return job
 
 
 def get_job(engine: Engine, job_id: str) -> Job | None:

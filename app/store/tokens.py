@@ -1,8 +1,12 @@
-"""API tokens, their roles, one-time login links and the audit log.
+"""API tokens, their roles, one-time login links, the audit log and the installation's shared secrets.
 
 A token is random (256 bits), shown once and stored only as its SHA-256 (nothing to brute-force, so a fast
 hash is enough); a login link's code likewise. Revoking a token ends its API access and its browser sessions
 at once; an expired token is refused like a revoked one.
+
+Everything here lives in the store, nothing in a process or in ``COLLAGE_HOME``: a login link made through one web
+replica logs a browser in on another, a session started on one is live on every one, logging out on one ends it
+on all of them (docs/scaling.md, Web replicas).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from sqlmodel import Session, col
 
 from ..db import engine_for, session_scope
 from ..errors import WebError
-from ..models import ApiToken, AuditEntry, LoginLink, WebSession, utcnow
-from .sql import changed_rows
+from ..models import ApiToken, AuditEntry, InstallationSecret, LoginLink, WebSession, table_of, utcnow
+from .sql import changed_rows, dialect_insert
 
 log = logging.getLogger("collage.auth")
 
@@ -233,3 +237,26 @@ def consume_login_link(engine: Engine, code: str) -> ApiToken | None:
             return None
         token = session.get(ApiToken, link.token_id)
     return token if usable(token) else None
+
+
+SIGNING_SECRET = "signing"  # the key that signs the API's pagination cursors (HMAC)
+
+
+def installation_secret(engine: Engine, name: str = SIGNING_SECRET) -> str:
+    """The installation's secret ``name``, the same for every process of the store: made by the first process that
+    asks (an insert that does nothing when another process's insert came first, then a read of the row that won),
+    so replicas starting at the same moment agree. Kept in the store, not in ``COLLAGE_HOME``: web replicas on
+    machines of their own share the database and nothing else."""
+    with Session(engine) as session:
+        found = session.get(InstallationSecret, name)
+        if found is not None:
+            return found.value
+    with session_scope(engine) as session:
+        row = {"name": name, "value": secrets.token_urlsafe(48), "created_at": utcnow()}
+        insert = dialect_insert(session, table_of(InstallationSecret)).on_conflict_do_nothing(index_elements=["name"])
+        session.execute(insert, [row])
+        # read in the same transaction: on PostgreSQL an insert that met a concurrent one waited for its commit,
+        # and each statement of a READ COMMITTED transaction sees what was committed before it began
+        value = session.scalar(select(col(InstallationSecret.value)).where(col(InstallationSecret.name) == name))
+    assert value is not None
+    return value

@@ -360,6 +360,19 @@ class StoreWriter:
 
         return self._unguarded()._write(read)
 
+    def checkpoint_paths(self, run_id: str) -> list[tuple[int, str]]:
+        """Every checkpoint the store records for the run, ``(step, path)``, oldest first."""
+
+        def read(session: Session) -> list[tuple[int, str]]:
+            rows = session.execute(
+                select(col(Checkpoint.step), col(Checkpoint.path))
+                .where(col(Checkpoint.run_id) == run_id)
+                .order_by(col(Checkpoint.step))
+            ).all()
+            return [(int(step), str(path)) for step, path in rows]
+
+        return self._unguarded()._write(read)
+
     def heartbeat(self, run_id: str) -> None:
         self._write(lambda session: None, run_id, heartbeat_at=utcnow())
 

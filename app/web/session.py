@@ -5,17 +5,17 @@ of its rows; an expired or revoked token ends its sessions even before that.
 Before login, the login form's CSRF token is a double-submit cookie. Cookies are ``Secure`` when the request
 came over HTTPS (directly, or through a proxy listed in COLLAGE_FORWARDED_ALLOW_IPS that says so).
 
-``session_secret`` is the installation's signing key (``$COLLAGE_HOME/secret``, mode 0600): it signs API
-cursors; every web node of one installation shares it when they share ``COLLAGE_HOME``.
+Nothing of a session is kept in the web process or in ``COLLAGE_HOME``: sessions, login links and the CSRF token
+are rows of the store (the login form's cookie is compared with the form, not with a server secret), so every web
+replica of an installation accepts a session another one started, and a logout on one ends it on all of them
+(docs/scaling.md, Web replicas).
 """
 
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
 from datetime import timedelta
-from pathlib import Path
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -35,21 +35,6 @@ CSRF_HEADER = "X-CSRF-Token"
 CSRF_FIELD = "csrf_token"
 SESSION_LIFETIME = timedelta(days=14)
 _UNSET = object()
-
-
-def session_secret(home: Path) -> str:
-    path = home / "secret"
-    if path.is_file():
-        value = path.read_text().strip()
-        if value:
-            return value
-    home.mkdir(parents=True, exist_ok=True)
-    value = secrets.token_urlsafe(48)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(value + "\n")
-    os.chmod(path, 0o600)
-    return value
 
 
 def _secure(request: Request) -> bool:
