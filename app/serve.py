@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from collage.training.data.synth import clean_stale_temp_folders
+from collage.training.objectstore import CACHE_UNITS
 
 from .db import engine_for, upgrade
 from .settings import get_settings
@@ -78,6 +79,10 @@ def serve(host: str, port: int, workers: int) -> int:
     pool.start()
     reaper = Reaper(engine, settings.heartbeat_timeout)
     reaper.start()
+    # a web-only node's cache is everything it fetched to serve; with embedded workers, the runs' folders are theirs
+    pruner = settings.cache_pruner(kinds=CACHE_UNITS if workers == 0 else ("images", "thumbs", "checks", "exports"))
+    if pruner is not None:
+        pruner.start()
     base = f"http://{host}:{port}"
     print(f"Collage is serving on {base}", flush=True)
     print(f"  login link: {base}/login/link/{link}   (one use, 10 minutes; `collage token link NAME` for more)",
@@ -95,6 +100,8 @@ def serve(host: str, port: int, workers: int) -> int:
     finally:
         print("stopping: workers checkpoint their runs and exit", flush=True)
         reaper.stop()
+        if pruner is not None:
+            pruner.stop()
         pool.stop(settings.cancel_grace + 10)
     return 0
 

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from collage.training.objectstore import ObjectMirror, is_remote, local_cache_root, mirror_for, retry_for_of
+from collage.training.objectstore import (
+    CACHE_UNITS,
+    CachePruner,
+    ObjectMirror,
+    is_remote,
+    local_cache_root,
+    mirror_for,
+    retry_for_of,
+)
 
 # every variable Settings.from_env reads (docker-compose.yml may set only these)
 ENV_VARS = (
@@ -26,6 +34,7 @@ ENV_VARS = (
     "COLLAGE_S3_PRESIGN",
     "COLLAGE_S3_PUBLIC_URL",
     "COLLAGE_S3_RETRY_FOR",
+    "COLLAGE_CACHE_MAX_GB",
     "COLLAGE_HEARTBEAT_INTERVAL",
     "COLLAGE_HEARTBEAT_TIMEOUT",
     "COLLAGE_CANCEL_GRACE",
@@ -102,6 +111,7 @@ class Settings:
     s3_presign: int = 0
     s3_public_url: str | None = None  # the endpoint browsers reach, for presigned URLs (default: s3_endpoint_url)
     s3_retry_for: float = 120.0  # seconds an object-storage call retries an unreachable server before failing
+    cache_max_gb: float = 20.0  # with object storage: the most this host's cache of the bucket keeps (0: no bound)
     max_body_bytes: int = 1_048_576  # request bodies above this are refused (413)
     heartbeat_interval: float = 5.0  # seconds between a running run's heartbeats
     heartbeat_timeout: float = 60.0  # a running run without a heartbeat for this long is marked failed
@@ -155,6 +165,12 @@ class Settings:
         """The artifacts' bucket (one client per process), or None when the artifacts are a local folder."""
         return mirror_for(self.artifacts_url, self.s3_endpoint_url, self.s3_retry_for, self.s3_public_url)
 
+    def cache_pruner(self, kinds: tuple[str, ...] = CACHE_UNITS) -> CachePruner | None:
+        """The thread that keeps this host's cache of the bucket under ``cache_max_gb`` (None: no bucket, no bound)."""
+        if not self.remote_artifacts or self.cache_max_gb <= 0:
+            return None
+        return CachePruner(self.artifacts, int(self.cache_max_gb * (1 << 30)), kinds)
+
     def allowed_data_roots(self) -> tuple[Path, ...]:
         return self.data_roots or (self.home,)
 
@@ -181,6 +197,7 @@ class Settings:
             s3_presign=int(os.environ.get("COLLAGE_S3_PRESIGN") or 0),
             s3_public_url=os.environ.get("COLLAGE_S3_PUBLIC_URL") or None,
             s3_retry_for=retry_for_of(os.environ),
+            cache_max_gb=float(os.environ.get("COLLAGE_CACHE_MAX_GB") or 20.0),
             heartbeat_interval=float(os.environ.get("COLLAGE_HEARTBEAT_INTERVAL", 5.0)),
             heartbeat_timeout=float(os.environ.get("COLLAGE_HEARTBEAT_TIMEOUT", 60.0)),
             cancel_grace=float(os.environ.get("COLLAGE_CANCEL_GRACE", 60.0)),

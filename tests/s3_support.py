@@ -117,7 +117,7 @@ class WeedServer:
                     pass
                 client.put_object(Bucket=BUCKET, Key="ready", Body=b"1")
                 return
-            except Exception as exc:  # noqa: BLE001 - not up yet, whatever the client says
+            except Exception as exc:
                 if time.monotonic() > deadline or (self.proc is not None and self.proc.poll() is not None):
                     log = (self.data / "weed.log").read_text()[-2000:]
                     raise RuntimeError(f"weed did not come up: {log}") from exc

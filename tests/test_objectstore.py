@@ -139,3 +139,35 @@ def test_transient_faults_are_told_from_lasting_ones_through_boto3_s_wrappers():
     assert _is_transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
     assert not _is_transient(wrapped(client_error(403, "AccessDenied")))  # fixed by a person, not by waiting
     assert not _is_transient(OSError(28, "No space left on device"))
+
+
+def test_the_cache_keeps_under_its_bound_removing_the_least_recently_used_first(mirror, tmp_path):
+    import os
+
+    from collage.training.objectstore import cache_entries, prune_cache
+
+    root = tmp_path / "cache"
+    for i in range(4):  # four 1000-byte images, used (mtime) 1000..4000 s ago, oldest first
+        mirror.put_bytes(f"images/aa/bb/{i}.png", bytes(1000))
+        path = ensure_local_file(root, f"images/aa/bb/{i}.png", mirror)
+        os.utime(path, (time.time() - 1000 * (4 - i),) * 2)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(bytes(3000))
+    mirror.put_folder("runs/r/attempt-1/checkpoints/step-2", folder)
+    assert ensure_local_folder(root, root / "runs/r/attempt-1/checkpoints/step-2", mirror)  # used just now
+    assert sum(size for _, size, _ in cache_entries(root)) >= 7000
+    # an image used again is the most recent: 0 was the oldest, now 1 is
+    ensure_local_file(root, "images/aa/bb/0.png", mirror)
+    freed = prune_cache(root, max_bytes=5000, in_use_for=0)
+    assert freed == 2000
+    assert sorted(p.name for p in (root / "images/aa/bb").iterdir()) == ["0.png", "3.png"]
+    # a unit used within in_use_for stays even over the bound (a download may be streaming it)
+    assert prune_cache(root, max_bytes=0) == 0
+    # what went is fetched again on the next use
+    assert ensure_local_file(root, "images/aa/bb/1.png", mirror).read_bytes() == bytes(1000)
+    # links (an attempt's link to an earlier attempt's checkpoint) are neither followed nor counted
+    link = root / "runs/r/attempt-2/checkpoints/step-2"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(root / "runs/r/attempt-1/checkpoints/step-2", target_is_directory=True)
+    assert [p for _, _, p in cache_entries(root, ("runs",))] == [root / "runs/r/attempt-1/checkpoints/step-2"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -39,6 +40,7 @@ from typing import Any, TypeVar
 from .errors import InputError, MissingExtraError, RunError
 
 T = TypeVar("T")
+log = logging.getLogger("collage.objectstore")
 
 ARTIFACTS_ENV = "COLLAGE_ARTIFACTS"
 ENDPOINT_ENV = "COLLAGE_S3_ENDPOINT_URL"
@@ -444,16 +446,27 @@ def ensure_local_file(root: Path, rel: str, mirror: ObjectMirror | None) -> Path
     """``root/rel``, fetched from the mirror when this host does not have it; None when it is nowhere."""
     path = root / rel
     if path.is_file():
+        _touch(path, mirror)
         return path
     if mirror is not None and mirror.fetch_file(rel, path):
         return path
     return None
 
 
+def _touch(path: Path, mirror: ObjectMirror | None) -> None:
+    """Mark a cached unit as used now (the cache's bound removes the least recently used first)."""
+    if mirror is not None:
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+
+
 def ensure_local_folder(root: Path, folder: Path, mirror: ObjectMirror | None) -> bool:
     """Make sure the folder ``folder`` (under ``root``) is on this host: fetched whole from the mirror when it is
     not. False when it is neither here nor (complete) in the bucket."""
     if folder.is_dir():
+        _touch(folder, mirror)
         return True
     if mirror is None:
         return False
@@ -473,3 +486,77 @@ def relative_to_root(root: Path, path: Path | str) -> str | None:
             return Path(path).resolve().relative_to(root.resolve()).as_posix()
         except ValueError:
             return None
+
+
+# ------------------------------------------------------------------------------------- bounding the cache
+CACHE_UNITS = ("images", "thumbs", "checks", "exports", "runs")  # what a cache of the bucket holds, by kind
+
+
+def cache_entries(root: Path, kinds: tuple[str, ...] = CACHE_UNITS) -> list[tuple[float, int, Path]]:
+    """The cache's removable units, ``(mtime, bytes, path)``: an image, a thumbnail or a check report (a file), an
+    export (its folder) or a run's checkpoint (its ``step-N`` folder). Links are neither followed nor counted."""
+    found: list[tuple[float, int, Path]] = []
+    for kind in kinds:
+        base = root / kind
+        if not base.is_dir():
+            continue
+        if kind in ("images", "thumbs", "checks"):
+            units = [p for p in base.rglob("*") if p.is_file() and not p.is_symlink()]
+        elif kind == "exports":
+            units = [p for p in base.iterdir() if p.is_dir() and not p.is_symlink()]
+        else:
+            units = [p for p in base.glob("*/attempt-*/checkpoints/step-*") if p.is_dir() and not p.is_symlink()]
+        for unit in units:
+            try:
+                size = unit.stat().st_size if unit.is_file() else _folder_bytes(unit)
+                found.append((unit.stat().st_mtime, size, unit))
+            except OSError:  # removed meanwhile
+                continue
+    return found
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+IN_USE_FOR = 3600.0  # seconds: a unit used this recently is kept even over the bound (a download may be streaming it)
+
+
+def prune_cache(
+    root: Path, max_bytes: int, kinds: tuple[str, ...] = CACHE_UNITS, in_use_for: float = IN_USE_FOR
+) -> int:
+    """Remove the units used longest ago (their mtime: set when fetched or written, touched on each use) until the
+    cache holds at most ``max_bytes``; returns how many bytes went. Everything in it is also in the bucket, so a
+    removed unit is fetched again when next needed; one used in the last ``in_use_for`` seconds is kept."""
+    entries = sorted(cache_entries(root, kinds))
+    total = sum(size for _, size, _ in entries)
+    freed = 0
+    recent = time.time() - in_use_for
+    for mtime, size, path in entries:
+        if total - freed <= max_bytes or mtime > recent:
+            break
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        freed += size
+    return freed
+
+
+class CachePruner(threading.Thread):
+    """Keeps a host's cache of the bucket under ``max_bytes``, looking every ``every`` seconds (a daemon thread)."""
+
+    def __init__(self, root: Path, max_bytes: int, kinds: tuple[str, ...] = CACHE_UNITS, every: float = 60.0):
+        super().__init__(name="collage-cache-pruner", daemon=True)
+        self.root, self.max_bytes, self.kinds, self.every = root, max_bytes, kinds, every
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.every):
+            try:
+                prune_cache(self.root, self.max_bytes, self.kinds)
+            except Exception:  # a cache left over its bound is not worth ending the host for
+                log.exception("could not prune the cache %s", self.root)
+
+    def stop(self) -> None:
+        self.stopping.set()

@@ -21,6 +21,9 @@ from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded, die_with_parent
 log = logging.getLogger("collage.worker")
 
 
+WORKER_CACHE_UNITS = ("images", "thumbs", "checks", "exports")
+
+
 def watch_parent(stop: StopFlag) -> None:
     """An embedded worker (started by `collage serve`, which sets COLLAGE_PARENT_PID) stops when serve is gone:
     the kernel's parent-death signal (asked for at start) and, where that is not available, this watch. Both may
@@ -72,6 +75,10 @@ def run_worker(
     reaper.start()
     reconciler = Reconciler(settings, engine, queues)  # runs whose broker message was lost are sent again
     reconciler.start()
+    # the cache of the bucket stays bounded; the runs' folders are the training's own (its checkpoints)
+    pruner = settings.cache_pruner(kinds=WORKER_CACHE_UNITS)
+    if pruner is not None:
+        pruner.start()
 
     stop = tasks.STOP
 
@@ -95,4 +102,6 @@ def run_worker(
     finally:
         reaper.stop()
         reconciler.stop()
+        if pruner is not None:
+            pruner.stop()
         bounded(registration.stop, SHUTDOWN_BOUND, "leaving the worker registry")
