@@ -186,3 +186,20 @@ def test_a_bucket_unreachable_past_the_retry_window_fails_the_write_naming_it_an
     with pytest.raises(StorageError, match=r"127\.0\.0\.1.*failed for 1 s"):
         callback.close()
     assert client.get(f"{API}/runs/{run}/samples", params={"step": 2}).json()["items"] == []
+
+
+def test_a_data_check_made_on_one_host_is_found_by_another_through_the_bucket(count_red_dir, tmp_path, monkeypatch):
+    """The checks cache is shared through the bucket (``checks/<fingerprint>.json``): a host with an empty home
+    gets the report another host made, without checking again."""
+    from collage.training.data import check
+
+    for name, value in s3_environment(shared_endpoint()).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("COLLAGE_HOME", str(tmp_path / "host-a"))
+    made = check.check_dataset(str(count_red_dir))
+    assert made.rows > 0 and list((tmp_path / "host-a").rglob("checks/*.json"))
+    monkeypatch.setenv("COLLAGE_HOME", str(tmp_path / "host-b"))
+    monkeypatch.setattr(check, "run_check", lambda *a, **k: pytest.fail("host B checked again"))
+    found = check.check_dataset(str(count_red_dir))
+    assert (found.rows, found.images_per_row, found.errors) == (made.rows, made.images_per_row, made.errors)
+    assert list((tmp_path / "host-b").rglob("checks/*.json"))
