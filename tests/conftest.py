@@ -247,7 +247,7 @@ SLOW_MODULES = {
     "test_workers", "test_dashboard", "test_dash_charts", "test_dash_look", "test_dash_ops", "test_dash_rollouts",
     "test_trackers", "test_dash_playground", "test_dash_friction", "test_dash_checkpoints", "test_dash_eval",
     "test_eval_e2e", "test_shutdown", "test_export_worker", "test_playground_worker", "test_cli_runs", "test_faults",
-    "test_lifecycle", "test_supervisor", "test_dispatch_race", "test_replicas",
+    "test_lifecycle", "test_supervisor", "test_dispatch_race", "test_replicas", "test_multihost",
     # training, generation and model forwards with tiny models; wheels; the API fuzzer
     "test_training", "test_trl_agreement", "test_eval", "test_rollout_engine", "test_families", "test_tiny_models",
     "test_vision_features", "test_chunked_logprobs", "test_batching", "test_layouts", "test_checkpoints",
