@@ -1,6 +1,6 @@
 """Rollout images served from S3-compatible object storage: a page of thumbnails, cold and warm.
 
-A web node (`create_app`, served by uvicorn on a real socket) with its artifacts in a bucket
+A web node (`collage serve --workers 0`, a process of its own) with its artifacts in a bucket
 (`COLLAGE_ARTIFACTS=s3://...`) and an empty cache of its own; the rollout rows and their images were written by a
 "worker host" (a `StoreWriter` with another cache folder), so the web node has none of the files. A page of the
 rollout table shows `--page` thumbnails; a browser fetches them over 6 connections at once (HTTP/1.1), which is
@@ -25,6 +25,7 @@ import io
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -63,36 +64,37 @@ def pngs(count: int, seed: int) -> list[bytes]:
     return out
 
 
-def serve(app) -> tuple[str, object]:
-    import uvicorn
-
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server
-
-
 def make_web(settings, token: str):
-    """A web node (its own cache folder) served on a socket, with a client that keeps CONNECTIONS connections."""
+    """A web node: `collage serve --workers 0` in a process of its own (the client's threads never share its GIL),
+    with its own COLLAGE_HOME and cache, and a client that keeps CONNECTIONS connections to it."""
     import httpx
 
-    from collage.app.main import create_app
-
-    class NoDispatcher:
-        def submit(self, run_id, queue): ...
-        def cancel(self, run_id): ...
-        def health(self):
-            return {"broker": {"ok": True}, "workers": []}
-
-    app = create_app(settings, NoDispatcher())
-    base, server = serve(app)
+    port = free_port()
+    home = Path(tempfile.mkdtemp(prefix="collage-bench-web-"))
+    env = {**os.environ, "COLLAGE_HOME": str(home), "COLLAGE_DATABASE_URL": settings.database_url,
+           "COLLAGE_BROKER_URL": f"sqla+sqlite:///{home / 'broker.db'}", "COLLAGE_ARTIFACTS": settings.artifacts_url,
+           "COLLAGE_S3_ENDPOINT_URL": settings.s3_endpoint_url, "COLLAGE_S3_PRESIGN": str(settings.s3_presign)}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "collage.app.cli", "serve", "--workers", "0", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
     limits = httpx.Limits(max_connections=CONNECTIONS, max_keepalive_connections=CONNECTIONS)
-    client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, limits=limits, timeout=60)
-    return app, client, server
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"},
+                          limits=limits, timeout=60)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if client.get("/api/v1/health").status_code == 200:
+                return client, proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("the web node did not start")
+        time.sleep(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def page_times(client, pages: list[list[str]], follow: bool) -> tuple[list[float], list[float]]:
@@ -148,24 +150,21 @@ def fill(settings, engine, images: int, seed: int) -> list[str]:
 def one_round(args, base_settings, engine, token: str, seed: int) -> dict[str, tuple[list[float], list[float]]]:
     """The four cases on fresh images (a new prefix in the bucket, empty caches)."""
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    settings = replace(base_settings, artifacts_url=f"s3://collage-bench/{prefix}",
-                       artifacts=Path(tempfile.mkdtemp(prefix="collage-bench-web1-")))  # fmt: skip
+    settings = replace(base_settings, artifacts_url=f"s3://collage-bench/{prefix}")
     settings.mirror().ensure_bucket()
     shas = fill(settings, engine, args.pages * args.page, seed)
     pages = [shas[i : i + args.page] for i in range(0, len(shas), args.page)]
     results = {}
-    _, client, server = make_web(settings, token)
+    client, proc = make_web(settings, token)
     results["cold (thumbnail made from the bucket's image)"] = page_times(client, pages, follow=False)
     results["warm (this node's cache)"] = page_times(client, pages, follow=False)
-    server.should_exit = True
-    second = replace(settings, artifacts=Path(tempfile.mkdtemp(prefix="collage-bench-web2-")))
-    _, client, server = make_web(second, token)
+    proc.terminate()
+    client, proc = make_web(settings, token)  # another node: an empty cache of its own
     results["cold, thumbnails in the bucket (another node)"] = page_times(client, pages, follow=False)
-    server.should_exit = True
-    presigned = replace(settings, artifacts=Path(tempfile.mkdtemp(prefix="collage-bench-web3-")), s3_presign=60)
-    _, client, server = make_web(presigned, token)
+    proc.terminate()
+    client, proc = make_web(replace(settings, s3_presign=60), token)
     results["presigned (307, then the bucket)"] = page_times(client, pages, follow=True)
-    server.should_exit = True
+    proc.terminate()
     return results
 
 
