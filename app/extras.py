@@ -28,6 +28,8 @@ EXTRA_OF_MODULE = {
     "num2words": "worker",
     "psycopg": "postgres",
     "redis": "redis",
+    "boto3": "s3",
+    "botocore": "s3",
     "trackio": "trackers",
     "wandb": "trackers",
 }
@@ -38,6 +40,7 @@ EXTRA_MODULES = {
     "worker": ("torch", "torchvision", "transformers", "accelerate", "peft", "datasets"),
     "postgres": ("psycopg",),
     "redis": ("redis",),
+    "s3": ("boto3",),
     "trackers": ("trackio", "wandb"),  # a worker without it mirrors nothing and says so on the run (one warning)
 }
 

@@ -171,3 +171,13 @@ def test_the_cache_keeps_under_its_bound_removing_the_least_recently_used_first(
     link.parent.mkdir(parents=True)
     link.symlink_to(root / "runs/r/attempt-1/checkpoints/step-2", target_is_directory=True)
     assert [p for _, _, p in cache_entries(root, ("runs",))] == [root / "runs/r/attempt-1/checkpoints/step-2"]
+
+
+def test_an_s3_url_without_boto3_names_the_extra_to_install(monkeypatch):
+    import sys
+
+    from collage.training.errors import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if it were not installed
+    with pytest.raises(MissingExtraError, match=r"pip install 'collage-rl\[s3\]'"):
+        ObjectMirror("s3://b/p").ensure_bucket()
