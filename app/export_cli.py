@@ -55,6 +55,17 @@ def _from_store(run_id: str) -> tuple[list[store.CheckpointEntry], store.BestRul
         return entries, store.BestRule.of_config(run.config), dict(run.config), f"run {run.id}"
 
 
+def _local_checkpoint(recorded: str) -> Path:
+    """The checkpoint the store records, on this machine: with object storage the store records it relative to the
+    artifacts, and it is downloaded (manifest-checked) into this machine's cache of the bucket when missing."""
+    from .settings import get_settings
+
+    settings = get_settings()
+    path = Path(recorded) if Path(recorded).is_absolute() else settings.artifacts / recorded
+    store.local_checkpoint(path, settings.artifacts, settings.mirror())
+    return path
+
+
 def export_command(run: str, step: str, merge_lora: bool, out: str, quiet: bool = False) -> int:
     from collage.training.export import export_checkpoint
 
@@ -70,11 +81,11 @@ def export_command(run: str, step: str, merge_lora: bool, out: str, quiet: bool 
         entry = store.pick(entries, asked, rule, label)
     except store.CheckpointProblem as exc:
         raise CollageError(str(exc)) from exc
-    checkpoint = Path(entry.path)
+    checkpoint = _local_checkpoint(entry.path) if folder is None else Path(entry.path)
     if not (checkpoint / store.MODEL_FOLDER).is_dir():
         raise CollageError(
-            f"checkpoint step {entry.step} of {label} is at {checkpoint}, which is not on this machine (or is "
-            "gone): run collage export where the workers' COLLAGE_ARTIFACTS is"
+            f"checkpoint step {entry.step} of {label} is at {checkpoint}, which is neither on this machine nor in "
+            "the artifacts' bucket (or is gone): run collage export with the workers' COLLAGE_ARTIFACTS"
         )
     model = config.get("model")
     if not isinstance(model, dict):

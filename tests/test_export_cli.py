@@ -101,3 +101,39 @@ def test_export_without_the_worker_extra_names_it_in_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "collage export needs the 'worker' extra" in lines[0] and "pip install 'collage-rl[worker]'" in lines[0]
+
+
+def test_export_on_a_machine_that_only_reaches_the_bucket(tmp_path, monkeypatch):
+    """With object storage the store records the checkpoint relative to the artifacts: `collage export` on another
+    machine (an empty cache of its own) downloads it from the bucket, checked against its manifest, and exports."""
+    import json
+
+    from collage.app.db import engine_for, upgrade
+    from collage.app.store.writer import StoreWriter
+    from collage.training.config import parse_config
+    from collage.training.objectstore import ObjectMirror
+
+    from .s3_support import s3_environment, shared_endpoint
+
+    s3 = s3_environment(shared_endpoint())
+    url = f"sqlite:///{tmp_path / 'collage.db'}"
+    upgrade(url)
+    writer = StoreWriter(engine_for(url), tmp_path / "unused")
+    run = writer.create_run(parse_config(run_config("full")).model_dump(mode="json")).id
+    writer.transition(run, ["queued"], "running")
+    source = trained("full") / "checkpoints" / "step-2"
+    rel = f"runs/{run}/attempt-1/checkpoints/step-2"
+    for name, value in s3.items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    bucket = ObjectMirror(s3["COLLAGE_ARTIFACTS"], s3["COLLAGE_S3_ENDPOINT_URL"], retry_for=20)
+    bucket.ensure_bucket()
+    bucket.put_folder(rel, source)
+    info = json.loads((source / "checkpoint.json").read_text())
+    writer.for_attempt(run, 1).add_checkpoint(run, 2, rel, kind=info["kind"], size=info["bytes"])
+    env = {**os.environ, **s3, "COLLAGE_DATABASE_URL": url, "COLLAGE_HOME": str(tmp_path / "elsewhere"),
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    out = tmp_path / "out"
+    done = _export(env, run, "--out", str(out), "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert files_of(out) == files_of(source / "model")
