@@ -9,8 +9,13 @@ times ``GET /api/v1/runs/{id}/samples`` (pages of 50) and ``GET /api/v1/runs/{id
 
 Rows are written with bulk SQL (sqlite3 ``executemany`` / PostgreSQL ``COPY``), shaped exactly like what
 ``StoreWriter.append_samples`` writes; image files are not written (only JSON routes are timed). The PostgreSQL
-database (``collage_bench_<random>`` at ``--pg-admin-url``'s server) is dropped at the end, even on failure.
+database (``collage_bench_<random>`` at ``--pg-admin-url``'s server) is dropped at the end, even on failure,
+unless ``--keep-db``; ``--reuse-db NAME`` times a kept one again (``--only TEXT``: only the queries named so).
+``--bulk`` (PostgreSQL) loads ten million rows in reasonable time: the rollout tables lose their secondary
+indexes and constraints for the COPY and get them back after, from the definitions the migrations made.
 Prints a Markdown table.
+
+    nice -n 10 .venv/bin/python bench/store.py --db postgresql --rows 10000000 --bulk
 """
 
 from __future__ import annotations
@@ -201,14 +206,15 @@ def fill(store: Store, args: argparse.Namespace, artifacts: Path) -> None:
     store.metric_run_ids = store.run_ids[: args.metric_runs]
 
     def samples() -> Iterator[tuple[list[tuple], list[tuple]]]:
-        """Batches of (sample rows, sample_images rows), a few runs at a time."""
+        """Batches of (sample rows, sample_images rows), a few runs at a time (--bulk: the server links the images)."""
         batch: list[tuple] = []
         links: list[tuple] = []
         next_id = 1
         for run_id in store.run_ids:
             for row, shas in run_rows(rng, pools, run_id, next_id, per_run, args.rows_per_step):
                 batch.append(row)
-                links.extend((row[0], pos, sha) for pos, sha in enumerate(shas))
+                if not args.bulk:
+                    links.extend((row[0], pos, sha) for pos, sha in enumerate(shas))
             next_id += per_run
             if len(batch) >= 50_000:
                 yield batch, links
@@ -221,6 +227,8 @@ def fill(store: Store, args: argparse.Namespace, artifacts: Path) -> None:
     try:
         if store.kind == "sqlite":
             _fill_sqlite(raw, samples(), metrics, store)
+        elif args.bulk:
+            _fill_postgresql_bulk(raw, samples(), metrics, store, pools)
         else:
             _fill_postgresql(raw, samples(), metrics, store)
     finally:
@@ -289,6 +297,98 @@ def _fill_postgresql(raw, samples, metrics, store: Store) -> None:
     _timed(store, "vacuum analyze", started)
 
 
+def _fill_postgresql_bulk(raw, samples, metrics, store: Store, pools: Pools) -> None:
+    """``--bulk``: COPY the rows into tables stripped of their secondary indexes and of every constraint but the
+    primary keys, link the images on the server (a row's images are its dataset row's), then build the indexes
+    and constraints once, from the migrations' own definitions as the database holds them."""
+    conn = raw.driver_connection  # psycopg 3
+    _renice_backend(conn)
+    started = time.perf_counter()
+    rebuild = _strip_samples(conn)
+    _timed(store, "drop indexes", started)
+    started = time.perf_counter()
+    columns = ", ".join(f'"{c}"' for c in SAMPLE_COLUMNS)
+    for batch, _ in samples:
+        with conn.cursor() as cur, cur.copy(f"COPY samples ({columns}) FROM STDIN") as copy:
+            for row in batch:
+                copy.write_row(row)
+        conn.commit()
+    with conn.cursor() as cur:
+        cur.execute("SELECT setval(pg_get_serial_sequence('samples', 'id'), (SELECT max(id) FROM samples))")
+    conn.commit()
+    _timed(store, "samples", started)
+    started = time.perf_counter()
+    with conn.cursor() as cur:
+        cur.execute("CREATE TEMPORARY TABLE bench_links (dataset_row integer, position integer, sha256 varchar(64))")
+        with cur.copy("COPY bench_links (dataset_row, position, sha256) FROM STDIN") as copy:
+            for row, (_, _, shas) in enumerate(pools.dataset):
+                for position, sha in enumerate(shas):
+                    copy.write_row((row, position, sha))
+        cur.execute("INSERT INTO sample_images (sample_id, position, sha256) SELECT s.id, l.position, l.sha256 "
+                    "FROM samples s JOIN bench_links l ON l.dataset_row = s.dataset_row")  # fmt: skip
+    conn.commit()
+    _timed(store, "image links", started)
+    started = time.perf_counter()
+    with conn.cursor() as cur, cur.copy("COPY metrics (run_id, key, step, value) FROM STDIN") as copy:
+        for row in metrics:
+            copy.write_row(row)
+    conn.commit()
+    _timed(store, "metrics", started)
+    started = time.perf_counter()
+    with conn.cursor() as cur:
+        cur.execute("SET maintenance_work_mem = '1GB'")
+        cur.execute("SET max_parallel_maintenance_workers = 0")  # one backend, reniced with this process
+        for statement in rebuild:
+            cur.execute(statement)
+            conn.commit()
+    _timed(store, "indexes and constraints", started)
+    started = time.perf_counter()
+    conn.autocommit = True
+    conn.execute("VACUUM ANALYZE")
+    conn.autocommit = False
+    _timed(store, "vacuum analyze", started)
+
+
+def _strip_samples(conn) -> list[str]:
+    """Drop every constraint but the primary keys, then every other index, of samples and sample_images; the
+    statements that make them again (indexes first, then the constraints that check against them)."""
+    tables = "('samples'::regclass, 'sample_images'::regclass)"
+    with conn.cursor() as cur:
+        constraints = cur.execute(
+            "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint "
+            f"WHERE conrelid IN {tables} AND contype <> 'p' ORDER BY contype DESC, conname"  # unique before foreign
+        ).fetchall()
+        for table, name, _ in constraints:
+            cur.execute(f'ALTER TABLE {table} DROP CONSTRAINT "{name}"')
+        indexes = cur.execute(
+            "SELECT indexrelid::regclass::text, pg_get_indexdef(indexrelid) FROM pg_index "
+            f"WHERE indrelid IN {tables} AND NOT indisprimary ORDER BY 1"
+        ).fetchall()
+        for name, _ in indexes:
+            cur.execute(f"DROP INDEX {name}")
+    conn.commit()
+    return [sql for _, sql in indexes] + [f'ALTER TABLE {t} ADD CONSTRAINT "{n}" {sql}' for t, n, sql in constraints]
+
+
+def _renice_backend(conn) -> None:
+    """Give the server process of ``conn`` (building indexes for minutes) this process's niceness, where the
+    server runs on this machine; otherwise leave it."""
+    import os
+
+    host = conn.info.host
+    if not (host.startswith("/") or host in ("127.0.0.1", "localhost", "::1")):
+        return
+    try:
+        pid = conn.info.backend_pid
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "postgres":
+            return
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        if os.getpriority(os.PRIO_PROCESS, pid) < mine:
+            os.setpriority(os.PRIO_PROCESS, pid, mine)
+    except OSError:  # another machine's process id, or not ours to change
+        pass
+
+
 # ---------------------------------------------------------------------------------------------- timing
 
 
@@ -347,6 +447,12 @@ def queries(steps: int) -> list[Query]:
             lambda c, r, i: {"keys": keys, "max_points": 500},
             max_points=500,
         ),
+        Query(
+            f"metrics every key ({len(METRIC_KEYS)}) x {METRIC_STEPS:,} steps, max_points=1000 (the run page)",
+            "metrics",
+            lambda c, r, i: {"max_points": 1000},
+            max_points=1000,
+        ),
     ]
 
 
@@ -375,11 +481,13 @@ def measure(store: Store, args: argparse.Namespace, home: Path) -> list[tuple[st
 
     settings = Settings(home=home, database_url=store.url, broker_url="memory://", artifacts=home / "artifacts")
     app = create_app(settings, Dispatcher())
-    token = create_token(engine_for(store.url), "bench")
+    token = create_token(engine_for(store.url), f"bench-{uuid.uuid4().hex[:8]}")  # --reuse-db: not the first
     client = TestClient(app, headers={"Authorization": f"Bearer {token}"})
     rng = random.Random(args.seed + 1)
     results = []
     for query in queries(store.steps):
+        if args.only and not any(part in query.name for part in args.only):
+            continue
         runs = store.run_ids if query.route == "samples" else store.metric_run_ids
         count = args.requests if query.route == "samples" else args.metric_requests
         times = []
@@ -412,24 +520,44 @@ def bench(kind: str, args: argparse.Namespace) -> tuple[Store, list[tuple[str, f
         if kind == "sqlite":
             url = f"sqlite:///{home / 'collage.db'}"
         else:
-            name = f"collage_bench_{uuid.uuid4().hex[:10]}"
-            with psycopg.connect(args.pg_admin_url, autocommit=True) as conn:
-                conn.execute(f'CREATE DATABASE "{name}"')
+            name = args.reuse_db or f"collage_bench_{uuid.uuid4().hex[:10]}"
+            if not args.reuse_db:
+                with psycopg.connect(args.pg_admin_url, autocommit=True) as conn:
+                    conn.execute(f'CREATE DATABASE "{name}"')
             url = f"postgresql+psycopg://{args.pg_admin_url.split('://', 1)[1].rsplit('/', 1)[0]}/{name}"
         try:
             upgrade(url)
             store = Store(kind, url)
-            print(f"{kind}: filling {args.rows:,} rows over {args.runs} runs ...", file=sys.stderr, flush=True)
-            fill(store, args, home / "artifacts")
-            fills = ", ".join(f"{k} {v:.0f} s" for k, v in store.fill_s.items())
-            print(f"{kind}: filled ({fills})", file=sys.stderr, flush=True)
+            if args.reuse_db:
+                reopen(store)
+                print(f"{kind}: reusing {name}: {len(store.run_ids)} runs", file=sys.stderr, flush=True)
+            else:
+                print(f"{kind}: filling {args.rows:,} rows over {args.runs} runs ...", file=sys.stderr, flush=True)
+                fill(store, args, home / "artifacts")
+                fills = ", ".join(f"{k} {v:.0f} s" for k, v in store.fill_s.items())
+                print(f"{kind}: filled ({fills})", file=sys.stderr, flush=True)
             return store, measure(store, args, home)
         finally:
             engine_for(url).dispose()
             engine_for.cache_clear()
-            if name is not None:
+            if name is not None and (args.keep_db or args.reuse_db):
+                print(f"{kind}: kept database {name}: --reuse-db {name} times it again", file=sys.stderr)
+            elif name is not None:
                 with psycopg.connect(args.pg_admin_url, autocommit=True) as conn:
                     conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def reopen(store: Store) -> None:
+    """The runs of a store this script filled before (``--reuse-db``)."""
+    from sqlalchemy import distinct, func, select
+
+    from collage.app.models import MetricRollup
+
+    with engine_for(store.url).connect() as conn:
+        store.run_ids = list(conn.execute(select(Run.id).order_by(Run.name)).scalars())
+        with_metrics = set(conn.execute(select(distinct(MetricRollup.run_id))).scalars())
+        store.metric_run_ids = [run_id for run_id in store.run_ids if run_id in with_metrics]
+        store.steps = conn.execute(select(func.max(Run.step))).scalar_one()
 
 
 def main() -> None:
@@ -444,9 +572,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed requests before each query's timed ones")
     parser.add_argument("--pg-admin-url", default=PG_ADMIN_URL, help="a PostgreSQL database to create one from")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bulk",
+        action="store_true",
+        help="postgresql: load without the secondary indexes and constraints of the rollout tables and build "
+        "them after, link images on the server (10M rows in reasonable time)",
+    )
+    parser.add_argument("--keep-db", action="store_true", help="postgresql: keep the database at the end")
+    parser.add_argument("--reuse-db", metavar="NAME", help="postgresql: time a database kept before (no fill)")
+    parser.add_argument("--only", action="append", metavar="TEXT", help="time only the queries whose name has TEXT")
     args = parser.parse_args()
     if args.rows < args.runs or args.metric_runs > args.runs:
         parser.error("need --rows >= --runs >= --metric-runs")
+    if (args.bulk or args.keep_db or args.reuse_db) and args.db != "postgresql":
+        parser.error("--bulk, --keep-db and --reuse-db need --db postgresql")
 
     kinds = ["sqlite", "postgresql"] if args.db == "both" else [args.db]
     done = [bench(kind, args) for kind in kinds]
@@ -454,7 +593,8 @@ def main() -> None:
           f"{len(METRIC_KEYS)} keys x {METRIC_STEPS:,} steps for {args.metric_runs} runs; "
           f"{args.requests} requests per samples query, {args.metric_requests} per metrics query\n")  # fmt: skip
     for store, _ in done:
-        print(f"- fill {store.kind}: " + ", ".join(f"{k} {v:.1f} s" for k, v in store.fill_s.items()))
+        fills = ", ".join(f"{k} {v:.1f} s" for k, v in store.fill_s.items())
+        print(f"- fill {store.kind}: {fills or f'none (--reuse-db {args.reuse_db})'}")
     print("\n| database | query | p50 ms | p95 ms |\n|---|---|---:|---:|")
     for store, results in done:
         for name, p50, p95 in results:

@@ -14,13 +14,16 @@ from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any, TypeVar
 
-from sqlalchemy import Float, and_, func, literal, literal_column, or_, select, tuple_, type_coerce
+import numpy as np
+import orjson
+from sqlalchemy import Float, and_, func, literal, literal_column, or_, select, text, tuple_, type_coerce
 from sqlalchemy.engine import Engine
 from sqlalchemy.sql import ColumnElement, Select
 from sqlmodel import Session, col
 
 from ..errors import WebError
 from ..models import Event, Metric, Run, RunTag, Sample, SampleImage, table_of
+from .rollups import Series, as_points, downsample_series, plain_rows
 
 PAGE_MAX = 500
 INT64 = 2**63  # ids and integer sort values of a cursor lie in the store's 64-bit range
@@ -506,11 +509,104 @@ def iter_metrics(engine: Engine, run_id: str, batch: int = 5000) -> Iterator[tup
 
 
 def metric_keys(session: Session, run_id: str) -> list[str]:
-    return list(
-        session.scalars(
-            select(col(Metric.key)).where(col(Metric.run_id) == run_id).distinct().order_by(col(Metric.key))
-        )
+    """The run's metric names, in order: a loose index scan, one seek on the primary key (run_id, key, step) per
+    name, instead of a DISTINCT over every point of the run."""
+    return list(session.connection().execute(_METRIC_KEYS, {"run": run_id}).scalars())
+
+
+_METRIC_KEYS = text(
+    "WITH RECURSIVE names(key) AS ("
+    " SELECT min(key) FROM metrics WHERE run_id = :run"
+    " UNION ALL"
+    " SELECT (SELECT min(key) FROM metrics WHERE run_id = :run AND key > names.key) FROM names"
+    " WHERE names.key IS NOT NULL"
+    ") SELECT key FROM names WHERE key IS NOT NULL ORDER BY key"
+)
+SPAN_KEYS = 500  # keys per statement of metric_spans
+
+
+def metric_spans(
+    session: Session, run_id: str, keys: Sequence[str], from_step: int | None, to_step: int | None
+) -> dict[str, tuple[int, int, float | None]]:
+    """``{key: (first step, last step, last value)}`` within the range, for the keys with a point there: a few
+    index seeks per key on the primary key (run_id, key, step), in one statement."""
+    within = (" AND step >= :from_step" if from_step is not None else "") + (
+        " AND step <= :to_step" if to_step is not None else ""
     )
+    spans: dict[str, tuple[int, int, float | None]] = {}
+    for start in range(0, len(keys), SPAN_KEYS):
+        chunk = keys[start : start + SPAN_KEYS]
+        names = ", ".join(f"(:k{i})" for i in range(len(chunk)))
+        statement = text(
+            f"WITH names(key) AS (VALUES {names}), spans AS (SELECT names.key AS key,"
+            f" (SELECT min(step) FROM metrics WHERE run_id = :run AND key = names.key{within}) AS lo,"
+            f" (SELECT max(step) FROM metrics WHERE run_id = :run AND key = names.key{within}) AS hi FROM names)"
+            " SELECT key, lo, hi, (SELECT value FROM metrics WHERE run_id = :run AND key = spans.key AND step = spans.hi)"
+            " FROM spans WHERE lo IS NOT NULL"
+        )
+        params: dict[str, Any] = {"run": run_id, "from_step": from_step, "to_step": to_step}
+        params.update((f"k{i}", key) for i, key in enumerate(chunk))
+        spans.update((key, (lo, hi, last)) for key, lo, hi, last in session.connection().execute(statement, params))
+    return spans
+
+
+def _every_point(
+    session: Session, run_id: str, keys: Sequence[str], from_step: int | None, to_step: int | None
+) -> dict[str, Series]:
+    """Each of ``keys``' points in range, in step order (keys without any are absent)."""
+    where = [col(Metric.run_id) == run_id, col(Metric.key).in_(keys)]
+    if from_step is not None:
+        where.append(col(Metric.step) >= from_step)
+    if to_step is not None:
+        where.append(col(Metric.step) <= to_step)
+    stmt = select(col(Metric.key), col(Metric.step), col(Metric.value)).where(*where)
+    rows = plain_rows(session, stmt.order_by(col(Metric.key), col(Metric.step)))
+    if not rows:
+        return {}
+    names, steps, values = zip(*rows, strict=True)
+    index = {key: i for i, key in enumerate(keys)}
+    of_key = np.fromiter(map(index.__getitem__, names), np.int64, len(names))
+    step = np.array(steps, dtype=np.int64)
+    value = np.array(values, dtype=np.float64)  # None (a NaN or an infinity logged) becomes NaN
+    bounds = [0, *(np.flatnonzero(of_key[1:] != of_key[:-1]) + 1).tolist(), len(names)]  # a key's points are a run
+    return {names[a]: (step[a:b], value[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)}
+
+
+def metric_series(
+    session: Session,
+    run_id: str,
+    keys: Sequence[str] | None,
+    from_step: int | None,
+    to_step: int | None,
+    max_points: int | None,
+) -> dict[str, Series]:
+    """``{key: (steps, values)}`` (see :data:`~.rollups.Series`). Above ``max_points`` per key, each bucket of
+    steps keeps its minimum and its maximum (in step order), so spikes survive; the last point is always kept.
+
+    Reads go through SQLAlchemy Core on the session's connection, not the ORM's ``Session.execute``, whose
+    handling of each row cost more than the database for the thousands of rows of a long run."""
+    keys = list(dict.fromkeys(keys)) if keys else metric_keys(session, run_id)
+    empty = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
+    out: dict[str, Series] = dict.fromkeys(keys, empty)
+    if not keys:
+        return out
+    if max_points is None:  # every point (the export's view)
+        out.update(_every_point(session, run_id, keys, from_step, to_step))
+        return out
+    spans = metric_spans(session, run_id, keys, from_step, to_step)
+    # steps spanned: the point count of a series logged every step
+    small = [k for k, (lo, hi, _) in spans.items() if hi - lo + 1 <= max_points]
+    large = {k: (lo, hi) for k, (lo, hi, _) in spans.items() if hi - lo + 1 > max_points}
+    if small:
+        out.update(_every_point(session, run_id, small, from_step, to_step))
+    if large:
+        for key, (steps, values) in downsample_series(session, run_id, large, max_points).items():
+            # the last point always stays, even when it is neither a minimum nor a maximum (or is NaN)
+            hi, last = large[key][1], spans[key][2]
+            if not len(steps) or steps[-1] != hi:
+                steps, values = np.append(steps, hi), np.append(values, np.nan if last is None else last)
+            out[key] = steps, values
+    return out
 
 
 def query_metrics(
@@ -521,60 +617,33 @@ def query_metrics(
     to_step: int | None,
     max_points: int | None,
 ) -> dict[str, list[list[float | None]]]:
-    """``{key: [[step, value], ...]}``. Above ``max_points`` per key, each bucket of steps keeps its minimum
-    and its maximum (in step order), so spikes survive; the last point is always kept."""
-    keys = list(keys) if keys else metric_keys(session, run_id)
-    out: dict[str, list[list[float | None]]] = {k: [] for k in keys}
-    if not keys:
-        return out
-    where = [col(Metric.run_id) == run_id, col(Metric.key).in_(keys)]
-    if from_step is not None:
-        where.append(col(Metric.step) >= from_step)
-    if to_step is not None:
-        where.append(col(Metric.step) <= to_step)
-    if max_points is None:  # every point (the export's view)
-        for key, step, value in session.execute(
-            select(col(Metric.key), col(Metric.step), col(Metric.value))
-            .where(*where)
-            .order_by(col(Metric.key), col(Metric.step))
-        ):
-            out[key].append([step, value])
-        return out
-    # each key's first and last step in range: two index seeks per key, instead of counting every point
-    stats = []
-    for key in keys:
-        bounded = select(col(Metric.step)).where(*where[:1], col(Metric.key) == key, *where[2:])
-        lo = session.execute(bounded.order_by(col(Metric.step).asc()).limit(1)).scalar()
-        if lo is None:
-            continue
-        hi = session.execute(bounded.order_by(col(Metric.step).desc()).limit(1)).scalar()
-        assert hi is not None  # the range held a step (lo) a moment ago
-        stats.append((key, hi - lo + 1, lo, hi))  # steps spanned: the point count of a series logged every step
-    small = [k for k, n, _, _ in stats if n <= max_points]
-    large = {k: (lo, hi) for k, n, lo, hi in stats if n > max_points}
-    if small:
-        rows = session.execute(
-            select(col(Metric.key), col(Metric.step), col(Metric.value))
-            .where(*where[:1], col(Metric.key).in_(small), *where[2:])
-            .order_by(col(Metric.key), col(Metric.step))
-        )
-        for key, step, value in rows:
-            out[key].append([step, value])
-    if large:
-        from .rollups import downsample
+    """``{key: [[step, value], ...]}``: :func:`metric_series` as lists (``None`` for a missing value)."""
+    return {
+        key: as_points(series)
+        for key, series in metric_series(session, run_id, keys, from_step, to_step, max_points).items()
+    }
 
-        out.update(downsample(session, run_id, large, max_points))
-        # the last point always stays, even when it is neither a minimum nor a maximum (or is NaN)
-        lasts = session.execute(
-            select(col(Metric.key), col(Metric.step), col(Metric.value)).where(
-                col(Metric.run_id) == run_id,
-                tuple_(col(Metric.key), col(Metric.step)).in_([(k, hi) for k, (_, hi) in large.items()]),
-            )
-        )
-        for key, step, value in lasts:
-            if not out[key] or out[key][-1][0] != step:
-                out[key].append([step, value])
-    return out
+
+def metrics_json(
+    session: Session,
+    run_id: str,
+    keys: Sequence[str] | None,
+    from_step: int | None,
+    to_step: int | None,
+    max_points: int | None,
+) -> bytes:
+    """:func:`query_metrics` as JSON, written by orjson straight from the arrays: no Python object per point."""
+    series = metric_series(session, run_id, keys, from_step, to_step, max_points)
+    return orjson.dumps({key: orjson.Fragment(series_json(*s)) for key, s in series.items()})
+
+
+def series_json(steps: np.ndarray, values: np.ndarray) -> bytes:
+    """``[[step, value], ...]`` (``null`` for NaN), byte for byte what ``orjson.dumps`` writes for the lists."""
+    if not len(steps):
+        return b"[]"
+    step_texts = orjson.dumps(steps, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b",")
+    value_texts = orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b",")
+    return b"[[" + b"],[".join(map(b",".join, zip(step_texts, value_texts, strict=True))) + b"]]"
 
 
 # ---------------------------------------------------------------------------------------------- events
