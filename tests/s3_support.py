@@ -123,6 +123,13 @@ class WeedServer:
                     raise RuntimeError(f"weed did not come up: {log}") from exc
                 time.sleep(0.3)
 
+    def kill(self) -> None:
+        """At once (a test's end: nothing to flush)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)

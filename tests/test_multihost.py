@@ -144,7 +144,7 @@ def deployment(tmp_path_factory, migrated_postgres_url):
             yield deployment
     finally:
         deployment.stop()
-        s3.stop()
+        s3.kill()
         redis.stop()
 
 
