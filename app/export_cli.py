@@ -66,6 +66,17 @@ def _local_checkpoint(recorded: str) -> Path:
     return path
 
 
+def _missing_checkpoint(step: int, label: str, checkpoint: Path, from_store: bool) -> str:
+    """Where a checkpoint was looked for: a bucket is named only when this machine's artifacts are one."""
+    from .settings import get_settings
+
+    where = f"checkpoint step {step} of {label} is at {checkpoint}"
+    if from_store and get_settings().remote_artifacts:
+        return (f"{where}, which is neither on this machine nor in the artifacts' bucket (or is gone): "
+                "run collage export with the workers' COLLAGE_ARTIFACTS")  # fmt: skip
+    return f"{where}, which is not on this machine (or is gone): run collage export where the workers' COLLAGE_ARTIFACTS is"
+
+
 def export_command(run: str, step: str, merge_lora: bool, out: str, quiet: bool = False) -> int:
     from collage.training.export import export_checkpoint
 
@@ -83,10 +94,7 @@ def export_command(run: str, step: str, merge_lora: bool, out: str, quiet: bool 
         raise CollageError(str(exc)) from exc
     checkpoint = _local_checkpoint(entry.path) if folder is None else Path(entry.path)
     if not (checkpoint / store.MODEL_FOLDER).is_dir():
-        raise CollageError(
-            f"checkpoint step {entry.step} of {label} is at {checkpoint}, which is neither on this machine nor in "
-            "the artifacts' bucket (or is gone): run collage export with the workers' COLLAGE_ARTIFACTS"
-        )
+        raise CollageError(_missing_checkpoint(entry.step, label, checkpoint, from_store=folder is None))
     model = config.get("model")
     if not isinstance(model, dict):
         model = {}
