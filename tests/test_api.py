@@ -659,9 +659,15 @@ def test_text_search_is_indexed_on_postgresql(migrated_postgres_url):
     from collage.app.db import engine_for
 
     with engine_for(migrated_postgres_url).connect() as conn:
-        names = set(conn.execute(text("SELECT indexname FROM pg_indexes WHERE tablename = 'samples'")).scalars())
+        indexes = dict(
+            conn.execute(text("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'samples'")).all()
+        )
         mode = conn.execute(text("SHOW plan_cache_mode")).scalar_one()
-    assert {"ix_samples_completion_trgm", "ix_samples_prompt_text_trgm"} <= names
+    trigram = {name: definition for name, definition in indexes.items() if "gin_trgm_ops" in definition}
+    # one per text column, each led by the run id (0009): a search reads the run's matches, not the table's
+    assert sorted(trigram) == ["ix_samples_run_completion_trgm", "ix_samples_run_prompt_text_trgm"], indexes
+    assert "USING gin (run_id, completion gin_trgm_ops)" in trigram["ix_samples_run_completion_trgm"]
+    assert "USING gin (run_id, prompt_text gin_trgm_ops)" in trigram["ix_samples_run_prompt_text_trgm"]
     assert mode == "force_custom_plan"
 
 

@@ -105,3 +105,48 @@ def test_replicas_starting_at_once_migrate_once_and_both_start(empty_url):
     engine = make_engine(empty_url)
     assert current_revision(engine) == head_revision()
     engine.dispose()
+
+
+def test_0009_moves_the_text_search_indexes_under_the_run_id_and_back(empty_url):
+    """0009 replaces 0003's table-wide trigram indexes with ones led by the run id (a search names its run) and
+    its downgrade brings the old ones back; a search's run and text conditions both reach the new indexes."""
+    if not empty_url.startswith("postgresql"):
+        pytest.skip("the trigram indexes are PostgreSQL's; SQLite scans one run's rows")
+    from collage.app.db import downgrade, make_engine, upgrade
+
+    def trigram_indexes(conn) -> dict[str, str]:
+        rows = conn.execute(text("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'samples'")).all()
+        return {name: definition.split("USING ")[1] for name, definition in rows if "gin_trgm_ops" in definition}
+
+    upgrade(empty_url, "0008")
+    engine = make_engine(empty_url)
+    with engine.begin() as conn:
+        assert trigram_indexes(conn) == {"ix_samples_completion_trgm": "gin (completion gin_trgm_ops)",
+                                         "ix_samples_prompt_text_trgm": "gin (prompt_text gin_trgm_ops)"}  # fmt: skip
+    upgrade(empty_url)
+    with engine.begin() as conn:
+        assert trigram_indexes(conn) == {"ix_samples_run_completion_trgm": "gin (run_id, completion gin_trgm_ops)",
+                                         "ix_samples_run_prompt_text_trgm": "gin (run_id, prompt_text gin_trgm_ops)"}  # fmt: skip
+        # 12 runs of 5,000 rows; "zebra" is in 4% of the even runs' completions and once in run r1
+        conn.execute(text("INSERT INTO runs (id, name, algorithm, config, status, step, max_steps, model_path, "
+                          "dataset_source, created_at, updated_at, attempt, warning_count) SELECT 'r' || r, 'n', "
+                          "'grpo', '{}', 'succeeded', 0, 0, '', '', '2026-01-01', '2026-01-01', 1, 0 FROM "
+                          "generate_series(0, 11) AS r"))  # fmt: skip
+        conn.execute(text('INSERT INTO samples (run_id, split, step, "group", "index", prompt, prompt_text, '
+                          "completion, rewards, reward_sort, advantage, completion_length, truncated, num_images, "
+                          "zero_std) SELECT 'r' || (i / 5000), 'train', i % 5000, 0, 0, '\"p\"', 'count the cats', "
+                          "CASE WHEN i = 5777 OR ((i / 5000) % 2 = 0 AND i % 25 = 0) THEN 'a zebra ' || md5(i::text) "
+                          "ELSE 'no stripes ' || md5(i::text) END, '{}', 0, 0, 1, false, 0, false FROM "
+                          "generate_series(0, 59999) AS i"))  # fmt: skip
+        search = ("SELECT step FROM samples WHERE run_id = 'r1' AND split = 'train' AND (completion ILIKE '%zebra%' "
+                  "OR prompt_text ILIKE '%zebra%') ORDER BY step, id LIMIT 51")  # fmt: skip
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE samples"))  # as autovacuum would: a GIN index's sizes are known after it
+        plan = "\n".join(conn.execute(text(f"EXPLAIN {search}")).scalars())
+        assert "ix_samples_run_completion_trgm" in plan and "ix_samples_run_prompt_text_trgm" in plan, plan
+        assert conn.execute(text(search)).scalars().all() == [777]
+    downgrade(empty_url, "0008")
+    with engine.begin() as conn:
+        assert set(trigram_indexes(conn)) == {"ix_samples_completion_trgm", "ix_samples_prompt_text_trgm"}
+        assert conn.execute(text(search)).scalars().all() == [777]
+    engine.dispose()
