@@ -62,6 +62,9 @@ METRIC_KEYS = [
     "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
 ]  # fmt: skip
 RARE_WORD = "zebra"  # in about 2% of completions: the text search has to read ~2,500 rows for a page of 50
+# in about 2% of the completions of every other run and in none of the rest: searched for in a run without it, the
+# worst case of a table-wide text index (common in the store, so not worth using; absent here, so every row read)
+NEEDLE_WORD = "giraffe"
 SAMPLE_COLUMNS = (
     "id", "run_id", "step", "group", "index", "prompt", "prompt_text", "completion", "rewards", "reward",
     "reward_sort", "advantage", "completion_length", "truncated", "num_images", "group_mean", "group_std",
@@ -121,12 +124,14 @@ def make_pools(rng: random.Random) -> Pools:
 
 
 def run_rows(
-    rng: random.Random, pools: Pools, run_id: str, first_id: int, rows: int, rows_per_step: int
+    rng: random.Random, pools: Pools, run_id: str, first_id: int, rows: int, rows_per_step: int, needle: bool = False
 ) -> Iterator[tuple[tuple[Any, ...], list[str]]]:
     """One run's rows (in ``SAMPLE_COLUMNS`` order) with their image hashes, written step by step, group by
     group, as the trainer logs them: about 1% unscorable (NULL reward), 5% truncated, zero-std groups as they
-    come (rewards are discrete), accuracy rising over the run."""
+    come (rewards are discrete), accuracy rising over the run. ``needle``: ``NEEDLE_WORD`` ends about 2% of the
+    completions (drawn from a generator of its own, so the other columns are the same either way)."""
     steps = math.ceil(rows / rows_per_step)
+    needles = random.Random(f"{run_id}-{NEEDLE_WORD}")
     sample_id = first_id
     for step in range(1, steps + 1):
         p_correct = 0.15 + 0.7 * step / steps
@@ -144,6 +149,8 @@ def run_rows(
             std = statistics.stdev(scored) if len(scored) > 1 else (0.0 if scored else None)
             for index, (acc, fmt, reward) in enumerate(members):
                 completion, length = rng.choice(pools.completions)
+                if needle and needles.random() < 0.02:
+                    completion = f"{completion} {NEEDLE_WORD}"
                 truncated = rng.random() < 0.05
                 if truncated:
                     length = MAX_COMPLETION_LENGTH
@@ -210,8 +217,9 @@ def fill(store: Store, args: argparse.Namespace, artifacts: Path) -> None:
         batch: list[tuple] = []
         links: list[tuple] = []
         next_id = 1
-        for run_id in store.run_ids:
-            for row, shas in run_rows(rng, pools, run_id, next_id, per_run, args.rows_per_step):
+        for position, run_id in enumerate(store.run_ids):
+            rows = run_rows(rng, pools, run_id, next_id, per_run, args.rows_per_step, needle=position % 2 == 1)
+            for row, shas in rows:
                 batch.append(row)
                 if not args.bulk:
                     links.extend((row[0], pos, sha) for pos, sha in enumerate(shas))
@@ -411,6 +419,7 @@ class Query:
     route: str  # "samples" or "metrics"
     params: Callable[[Any, random.Random, str], dict[str, Any]]  # (client, rng, run_id) -> query parameters
     max_points: int | None = None  # metrics: the most points per key the answer may hold (None: every step)
+    needle_free: bool = False  # samples: timed on the runs without NEEDLE_WORD only, where the page is empty
 
 
 def _second_page(client, _rng: random.Random, run_id: str) -> dict[str, Any]:
@@ -434,6 +443,12 @@ def queries(steps: int) -> list[Query]:
         Query("samples step=N", "samples", lambda c, r, i: {"step": r.randint(1, steps), "limit": PAGE}),
         Query("samples zero_std_groups=true", "samples", lambda c, r, i: {"zero_std_groups": "true", "limit": PAGE}),
         Query(f"samples q={RARE_WORD} (~2% of rows)", "samples", lambda c, r, i: {"q": RARE_WORD, "limit": PAGE}),
+        Query(
+            f"samples q={NEEDLE_WORD} in a run without it (~1% of the store's rows)",
+            "samples",
+            lambda c, r, i: {"q": NEEDLE_WORD, "limit": PAGE},
+            needle_free=True,
+        ),
         Query("samples sort=-reward page 2 (cursor)", "samples", _second_page),
         Query(
             f"metrics {len(METRIC_KEYS)} keys x {METRIC_STEPS:,} steps (default max_points=2000)",
@@ -460,6 +475,10 @@ def _check(query: Query, response) -> None:
     if response.status_code != 200:
         raise RuntimeError(f"{query.name}: HTTP {response.status_code}: {response.text[:500]}")
     body = response.json()
+    if query.route == "samples" and query.needle_free:
+        if body["items"]:
+            raise RuntimeError(f"{query.name}: {len(body['items'])} rows in a run that should have none")
+        return
     if query.route == "samples":
         # a full page, or the last one (a small --rows leaves text search fewer than 50 matches per run)
         if not body["items"] or len(body["items"]) != PAGE and body["next_cursor"] is not None:
@@ -489,6 +508,8 @@ def measure(store: Store, args: argparse.Namespace, home: Path) -> list[tuple[st
         if args.only and not any(part in query.name for part in args.only):
             continue
         runs = store.run_ids if query.route == "samples" else store.metric_run_ids
+        if query.needle_free:
+            runs = store.run_ids[::2]  # fill(): the runs at odd positions have the needle
         count = args.requests if query.route == "samples" else args.metric_requests
         times = []
         for i in range(args.warmup + count):
