@@ -2,19 +2,23 @@
 # The whole test suite, from a fresh machine: set up, lint, type-check, pytest, then the wheel smoke test
 # (the built wheel in fresh virtual environments). Extra arguments go to pytest (and run it alone, in order).
 #
-# Without arguments four jobs run side by side, since most of their time is waiting on servers, workers and
+# Without arguments five jobs run side by side, since most of their time is waiting on servers, workers and
 # installs: the worker, browser and tracker tests (their own Redis server, `collage serve` on SQLite, or worker
-# processes), the serve, playground, export and shutdown tests, every other test, and the wheel smoke test. Each pytest session has its own COLLAGE_HOME and its own
-# PostgreSQL database (tests/conftest.py), so they share nothing but the machine. The logs of the side jobs are printed at the end.
+# processes), the serve, playground, export and shutdown tests, every other test, the type check and the wheel
+# smoke test. Each pytest session has its own COLLAGE_HOME and its own PostgreSQL database (tests/conftest.py), so
+# they share nothing but the machine. The logs of the side jobs are printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/services.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# one thread per torch process: the jobs below already keep both cores busy, and a second intra-op thread there
+# spins and contends more than it computes (tests/test_training.py: 27% more CPU for 10% less time alone)
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-bash scripts/typecheck.sh
 if [ "$#" -gt 0 ]; then
+  bash scripts/typecheck.sh
   .venv/bin/python -m pytest "$@"
   bash scripts/wheel_smoke.sh
   exit 0
@@ -32,6 +36,8 @@ processes=(tests/test_dash_playground.py tests/test_dash_friction.py tests/test_
 ignore=()
 for f in "${side[@]}" "${processes[@]}"; do ignore+=("--ignore=${f%%::*}"); done  # a test's module, not its id
 logs=$(mktemp -d)
+bash scripts/typecheck.sh >"$logs/typecheck.log" 2>&1 &  # one core for a minute: beside the tests, not before
+typecheck=$!
 bash scripts/wheel_smoke.sh >"$logs/wheel.log" 2>&1 &
 wheel=$!
 .venv/bin/python -m pytest -p no:cacheprovider --durations=25 "${side[@]}" >"$logs/browser.log" 2>&1 &
@@ -46,6 +52,9 @@ echo "---- fast tier (-m 'not slow')"
 echo "---- fast tier done after $((SECONDS - started)) s; the slow in-process tests"
 .venv/bin/python -m pytest -p no:cacheprovider -m slow --durations=40 "${ignore[@]}" || status=1
 echo "---- in-process tests done after $((SECONDS - started)) s"
+wait "$typecheck" || status=1
+echo "---- type check (mypy)"
+cat "$logs/typecheck.log"
 wait "$browser" || status=1
 echo "---- worker, browser and tracker tests"
 cat "$logs/browser.log"
