@@ -19,8 +19,6 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch/torchvision come with lower bounds only: pip takes whatever build the machine offers (CPU or CUDA).
-# --no-compile: modules are byte-compiled when first imported, only the ones used (torch and transformers ship
-# thousands that a run never imports, and compiling them all is about a minute of one core)
-.venv/bin/python -m pip install --quiet --no-compile -e ".[dev]"
+.venv/bin/python -m pip install --quiet -e ".[dev]"
 echo "$want" > "$stamp"
 echo "installed Collage into .venv"
