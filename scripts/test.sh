@@ -40,33 +40,37 @@ processes=(tests/test_dash_playground.py tests/test_dash_friction.py tests/test_
 ignore=()
 for f in "${side[@]}" "${processes[@]}"; do ignore+=("--ignore=${f%%::*}"); done  # a test's module, not its id
 logs=$(mktemp -d)
-bash scripts/typecheck.sh >"$logs/typecheck.log" 2>&1 &  # one core for a minute: beside the tests, not before
-typecheck=$!
-bash scripts/wheel_smoke.sh >"$logs/wheel.log" 2>&1 &
-wheel=$!
-.venv/bin/python -m pytest -p no:cacheprovider --durations=25 "${side[@]}" >"$logs/browser.log" 2>&1 &
-browser=$!
-.venv/bin/python -m pytest -p no:cacheprovider --durations=25 "${processes[@]}" >"$logs/processes.log" 2>&1 &
-processes_job=$!
+pids=()
+names=()
+# job NAME COMMAND...: runs beside the others, its output in $logs/NAME.log, its time on the log's last line
+job() {
+  local name=$1
+  shift
+  ( t=$SECONDS; status=0; "$@" >"$logs/$name.log" 2>&1 || status=$?
+    echo "---- $name: exit $status after $((SECONDS - t)) s (finished $((SECONDS - started)) s in)" >>"$logs/$name.log"
+    exit "$status" ) &
+  pids+=($!)
+  names+=("$name")
+}
+pytest_job() {
+  local name=$1
+  shift
+  job "$name" .venv/bin/python -m pytest -p no:cacheprovider "$@"
+}
+# Six jobs share the two cores; the in-process tiers run beside each other rather than one after the other, so no
+# single job is left running alone at the end. The fast tier is what `pytest -m "not slow"` runs on a laptop.
+# Coverage is measured by scripts/coverage.sh, not here: on 2 cores it adds about two minutes.
+pytest_job "slow in-process tests" -m slow --durations=40 "${ignore[@]}"
+pytest_job "worker, browser and tracker tests" --durations=25 "${side[@]}"
+pytest_job "serve, playground, export and shutdown tests" --durations=25 "${processes[@]}"
+pytest_job "fast tier (-m 'not slow')" -m "not slow" --durations=10 "${ignore[@]}"
+job "type check (mypy)" bash scripts/typecheck.sh
+job "wheel smoke test" bash scripts/wheel_smoke.sh
 status=0
-# the fast tier first (what `pytest -m "not slow"` runs on a laptop), then the slow in-process tests. Coverage is
-# measured by scripts/coverage.sh, not here: on 2 cores it adds about two minutes to a run that must stay under 20
-echo "---- fast tier (-m 'not slow')"
-.venv/bin/python -m pytest -p no:cacheprovider -m "not slow" --durations=10 "${ignore[@]}" || status=1
-echo "---- fast tier done after $((SECONDS - started)) s; the slow in-process tests"
-.venv/bin/python -m pytest -p no:cacheprovider -m slow --durations=40 "${ignore[@]}" || status=1
-echo "---- in-process tests done after $((SECONDS - started)) s"
-wait "$typecheck" || status=1
-echo "---- type check (mypy)"
-cat "$logs/typecheck.log"
-wait "$browser" || status=1
-echo "---- worker, browser and tracker tests"
-cat "$logs/browser.log"
-wait "$processes_job" || status=1
-echo "---- serve, playground, export and shutdown tests"
-cat "$logs/processes.log"
-wait "$wheel" || status=1
-echo "---- wheel smoke test"
-cat "$logs/wheel.log"
+for k in "${!pids[@]}"; do
+  wait "${pids[$k]}" || status=1
+  echo "==== ${names[$k]}"
+  cat "$logs/${names[$k]}.log"
+done
 echo "---- all tests done after $((SECONDS - started)) s"
 exit "$status"

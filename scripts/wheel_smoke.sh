@@ -5,6 +5,8 @@
 #      torch is absent, `collage train` says which extra to install, and no generic top-level module exists.
 #   2. [all]: `collage train` on a tiny model for 2 steps.
 # Prints each environment's install footprint (docs/packaging.md records them).
+# Installs use --no-compile: each environment runs a few commands, which import a few hundred modules, while
+# byte-compiling all of torch, transformers and their dependencies at install is most of the install's CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -44,7 +46,7 @@ cd "$work"  # nothing of the checkout on sys.path from here on
 say "fresh venv with [web]"
 "$PYTHON" -m venv web
 web/bin/python -m pip install --quiet --upgrade pip 2>/dev/null
-web/bin/python -m pip install --quiet "$wheel[web]" 2>&1 | grep -v "^WARNING: Location" || true
+web/bin/python -m pip install --quiet --no-compile "$wheel[web]" 2>&1 | grep -v "^WARNING: Location" || true
 web/bin/python - <<'PY'
 import importlib.util
 for name in ("app", "worker", "training", "migrations", "templates"):
@@ -83,7 +85,7 @@ kill "$server"; wait "$server" 2>/dev/null || true; server=""
 say "fresh venv with [all]"
 "$PYTHON" -m venv full
 full/bin/python -m pip install --quiet --upgrade pip 2>/dev/null
-full/bin/python -m pip install --quiet "$wheel[all]" 2>&1 | grep -v "^WARNING: Location" || true
+full/bin/python -m pip install --quiet --no-compile "$wheel[all]" 2>&1 | grep -v "^WARNING: Location" || true
 cat >"$work/tiny.yaml" <<'YAML'
 name: wheel-smoke
 model: {path: "tiny:qwen2-vl"}

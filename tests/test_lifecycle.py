@@ -141,18 +141,23 @@ def test_a_write_is_retried_when_the_connection_drops_mid_transaction(migrated_p
         assert session.scalars(select(Metric.value).where(Metric.run_id == run_id)).all() == [0.25]
 
 
-def _supervised(writer, monkeypatch, tmp_path, script: str, heartbeat_timeout: float):
+def _supervised(writer, monkeypatch, tmp_path, script: str, heartbeat_timeout: float, prepare_s: float = 0.0):
     """Run ``supervise`` on a queued run whose "training process" is ``script`` (Python), with a reaper
-    running beside it as on every worker; returns (final status, run)."""
+    running beside it as on every worker; returns (final status, run). ``prepare_s``: how long the supervisor
+    takes to prepare the training command after its claim."""
     import sys
+    import time
 
     from collage.worker import supervisor
     from collage.worker.reaper import Reaper
 
     run_id = _run(writer)
-    monkeypatch.setattr(
-        supervisor, "child_command", lambda run, slot: ([sys.executable, "-c", script], dict(os.environ), None)
-    )
+
+    def command(run, slot):
+        time.sleep(prepare_s)
+        return [sys.executable, "-c", script], dict(os.environ), None
+
+    monkeypatch.setattr(supervisor, "child_command", command)
     reaper = Reaper(writer.engine, heartbeat_timeout, every=0.25)
     reaper.start()
     try:
@@ -167,6 +172,13 @@ def test_the_supervisor_beats_for_a_slow_starting_child(writer, monkeypatch, tmp
     """A child that takes three heartbeat timeouts to start (imports, model load) is not reaped: the supervisor
     beats for it until its own heartbeat takes over."""
     final, run = _supervised(writer, monkeypatch, tmp_path, "import time; time.sleep(5)", heartbeat_timeout=1.5)
+    assert final == "failed" and run.error == "the training process exited with code 0", run.error
+
+
+def test_a_run_whose_start_is_slow_after_its_claim_is_not_reaped(writer, monkeypatch, tmp_path):
+    """The claim's heartbeat must not run out while the worker prepares and starts the training process: on a
+    loaded CI machine that took 15 s against an 8 s timeout, and the worker's own reaper failed the run."""
+    final, run = _supervised(writer, monkeypatch, tmp_path, "pass", heartbeat_timeout=1.5, prepare_s=4.5)
     assert final == "failed" and run.error == "the training process exited with code 0", run.error
 
 

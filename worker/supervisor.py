@@ -15,7 +15,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timezone
 from pathlib import Path
@@ -187,25 +190,59 @@ def run_claimed(
     killed (see :func:`_watch`)."""
     run_id, attempt = run.id, run.attempt
     mine = writer.for_attempt(run_id, attempt)
-    try:
-        cmd, env, warning = child_command(run, slot)
-    except SlotTooSmall as exc:
-        writer.transition(
-            run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=str(exc), message=f"failed: {exc}"
-        )
-        return RunStatus.FAILED
-    env[NICE_ENV] = str(nice)  # the child applies it before it starts any thread
-    if warning:
-        mine.add_event(run_id, "warning", warning)
     with tempfile.TemporaryDirectory(prefix="collage-child-") as tmp:
-        ready = Path(tmp) / "ready"
-        env[READY_ENV] = str(ready)
-        log.info("run %s attempt %s: starting %s", run_id, attempt, " ".join(cmd))
-        # its own session, so the whole process group (accelerate's ranks too) can be killed at once
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        # the claim's heartbeat ages while the child is prepared and started: on a loaded machine that took
+        # longer than a short heartbeat timeout, and the reaper failed a run that was about to start
+        with _beating(mine, run_id, heartbeat_every):
+            try:
+                cmd, env, warning = child_command(run, slot)
+            except SlotTooSmall as exc:
+                writer.transition(
+                    run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=str(exc), message=f"failed: {exc}"
+                )
+                return RunStatus.FAILED
+            env[NICE_ENV] = str(nice)  # the child applies it before it starts any thread
+            if warning:
+                mine.add_event(run_id, "warning", warning)
+            ready = Path(tmp) / "ready"
+            env[READY_ENV] = str(ready)
+            state = writer.run_state(run_id)
+            if state is None or state[1] != attempt or state[0] not in ACTIVE:  # a cancel is the watch loop's job
+                log.info("run %s attempt %s ended before its training started (%s): not starting it", run_id,
+                         attempt, state)  # fmt: skip
+                return None
+            log.info("run %s attempt %s: starting %s", run_id, attempt, " ".join(cmd))
+            # its own session, so the whole process group (accelerate's ranks too) can be killed at once
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         return _watch(
             writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll, stop, heartbeat_timeout
         )
+
+
+@contextmanager
+def _beating(mine: StoreWriter, run_id: str, every: float) -> Iterator[None]:
+    """Beat for the run from a thread while the block prepares and starts its training process (the watch loop
+    beats after that). A stale attempt stops the beats; the block's own state check then sees it."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                mine.heartbeat(run_id)
+            except StaleAttempt:
+                return
+            except Exception:  # the store is briefly unreachable: the next beat tries again
+                log.exception("run %s: heartbeat failed", run_id)
+            if done.wait(every):
+                return
+
+    thread = threading.Thread(target=beat, name=f"collage-beat-{run_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _heartbeat_age(writer: StoreWriter, run_id: str) -> float | None:
