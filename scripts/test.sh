@@ -2,11 +2,12 @@
 # The whole test suite, from a fresh machine: set up, lint, type-check, pytest, then the wheel smoke test
 # (the built wheel in fresh virtual environments). Extra arguments go to pytest (and run it alone, in order).
 #
-# Without arguments five jobs run side by side, since most of their time is waiting on servers, workers and
-# installs: the worker, browser and tracker tests (their own Redis server, `collage serve` on SQLite, or worker
-# processes), the serve, playground, export and shutdown tests, every other test, the type check and the wheel
-# smoke test. Each pytest session has its own COLLAGE_HOME and its own PostgreSQL database (tests/conftest.py), so
-# they share nothing but the machine. The logs of the side jobs are printed at the end.
+# Without arguments six jobs run side by side: the worker, browser and tracker tests (their own Redis server,
+# `collage serve` on SQLite, or worker processes), the serve, playground, export and shutdown tests, the slow and
+# the fast in-process tests, the type check and the wheel smoke test. The run is CPU-bound on 2 cores, so what
+# matters is that no job is left running alone at the end. Each pytest session has its own COLLAGE_HOME and its
+# own PostgreSQL database (tests/conftest.py), so they share nothing but the machine. Each job's log is printed
+# at the end, with its time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

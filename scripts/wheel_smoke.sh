@@ -5,8 +5,8 @@
 #      torch is absent, `collage train` says which extra to install, and no generic top-level module exists.
 #   2. [all]: `collage train` on a tiny model for 2 steps.
 # Prints each environment's install footprint (docs/packaging.md records them).
-# Installs use --no-compile: each environment runs a few commands, which import a few hundred modules, while
-# byte-compiling all of torch, transformers and their dependencies at install is most of the install's CPU.
+# Installs use --no-compile: each environment runs a few commands, which import a few hundred modules, and
+# compiling every module of torch, transformers and their dependencies at install is CPU CI does not need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
