@@ -580,4 +580,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from collage.training.processes import exit_process
+
+    exit_process(main())

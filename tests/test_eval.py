@@ -25,7 +25,6 @@ from collage.training.data.heldout import content_key, fraction_rows, load_heldo
 from collage.training.data.loader import load_dataset
 from collage.training.data.synth import write_synth
 from collage.training.evaluation import ScoredCompletion, eval_metric_keys, eval_metrics, pass_at_k
-from collage.training.models.loading import resolve_model_path
 from collage.training.output import OutputFolder
 from collage.training.trainer import Trainer, TrainingError
 
@@ -411,9 +410,6 @@ def test_two_processes_split_the_evaluation_and_log_what_one_process_logs(tmp_pa
     config = make_config(dataset={"eval_split": "test"}, train=train)
     cfg_file = tmp_path / "eval.yaml"
     cfg_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    # the tiny model is built into the cache first, as a worker finds it: two processes that both build it at once
-    # race (training/models/loading.py, a defect of its own, reported)
-    resolve_model_path("tiny:qwen2-vl")
     out = tmp_path / "two"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

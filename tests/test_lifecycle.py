@@ -182,6 +182,38 @@ def test_a_run_whose_start_is_slow_after_its_claim_is_not_reaped(writer, monkeyp
     assert final == "failed" and run.error == "the training process exited with code 0", run.error
 
 
+def test_the_child_loads_torch_and_transformers_before_its_own_heartbeat_takes_over(writer, tmp_path):
+    """Loading torch's and transformers' libraries holds the GIL, so the child's heartbeat thread could not beat
+    meanwhile: on a loaded CI machine a child that was only starting went 9 s without a beat and its supervisor
+    killed it as frozen. The imports come first, while the supervisor still beats for the child."""
+    import json
+    import subprocess
+    import sys
+
+    run_id = _run(writer)
+    assert writer.transition(run_id, ["queued"], "running")
+    probe = tmp_path / "loaded.json"
+    script = (
+        "import json, sys\n"
+        "from collage.worker import child, store_callback\n"
+        "def start(self):\n"
+        f"    open({str(probe)!r}, 'w').write(json.dumps({{m: m in sys.modules for m in "
+        "('torch', 'transformers.modeling_utils', 'collage.training.trainer')}))\n"
+        "    raise SystemExit('stopped by the test')\n"
+        "store_callback.StoreCallback.start_heartbeat = start\n"
+        f"sys.exit(child.main({run_id!r}, 1))\n"
+    )
+    env = {**os.environ, "COLLAGE_DATABASE_URL": writer.engine.url.render_as_string(hide_password=False),
+           "COLLAGE_ARTIFACTS": str(tmp_path / "artifacts"), "COLLAGE_HOME": str(tmp_path / "home")}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert probe.exists(), done.stderr[-3000:]
+    assert json.loads(probe.read_text()) == {
+        "torch": True,
+        "transformers.modeling_utils": True,
+        "collage.training.trainer": True,
+    }
+
+
 def test_a_child_that_took_over_and_then_hangs_is_reaped_and_killed(writer, monkeypatch, tmp_path):
     script = "import os, pathlib, time; pathlib.Path(os.environ['COLLAGE_CHILD_READY_FILE']).touch(); time.sleep(600)"
     final, run = _supervised(writer, monkeypatch, tmp_path, script, heartbeat_timeout=1.5)

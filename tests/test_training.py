@@ -414,12 +414,32 @@ def test_two_process_ddp_on_cpu_keeps_replicas_identical(tmp_path):
     cfg_file = tmp_path / "ddp.yaml"
     cfg_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # at each process's exit: is its process group still open? (one left open could abort in its C++ teardown)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(
+        "import atexit, os, sys\n"
+        "def _record():\n"
+        "    if os.environ.get('RANK') is not None and 'torch.distributed' in sys.modules:\n"
+        "        import torch.distributed as dist\n"
+        f"        open(os.path.join({str(probe)!r}, 'rank-' + os.environ['RANK']), 'w').write(str(dist.is_initialized()))\n"
+        "atexit.register(_record)\n"
+        "_exit = os._exit\n"
+        "def _recorded_exit(code):\n"
+        "    _record()\n"
+        "    _exit(code)\n"
+        "os._exit = _recorded_exit\n"
+    )
+    # a fresh COLLAGE_HOME: both processes find no tiny model and resolve it at once (before the build took a
+    # lock, one in three such starts failed the process that lost the race)
+    env = {**os.environ, "PYTHONPATH": f"{probe}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1",
+           "COLLAGE_HOME": str(tmp_path / "home")}  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "-m", "collage.app.cli", "train", str(cfg_file), "--out", str(out), "--quiet"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert {f.name: f.read_text() for f in probe.glob("rank-*")} == {"rank-0": "False", "rank-1": "False"}
     digests = json.loads((out / "replicas.json").read_text())["parameter_sha256"]
     assert len(digests) == 2 and digests[0] == digests[1]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -26,7 +26,7 @@ from .conftest import require_service
 
 ROOT = Path(__file__).resolve().parents[1]
 API = "/api/v1"
-HEARTBEAT_TIMEOUT = 8
+HEARTBEAT_TIMEOUT = 12  # seconds; a loaded CI machine must not look frozen (production: 60)
 
 
 def free_port() -> int:

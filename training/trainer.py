@@ -142,7 +142,10 @@ class Trainer:
         self.heldout = self._load_heldout(split)
         held = self.heldout.held_rows if self.heldout is not None else None
         self.dataset = training_rows(split, held) if held else split
-        self.processor, self.family = load_processor(cfg.model.path)
+        # the main process first: `tiny:` models are built into the cache on first use, and a process that read
+        # the model while another was building it failed ("Unrecognized model"); the others then load it as built
+        with self.accelerator.main_process_first():
+            self.processor, self.family = load_processor(cfg.model.path)
         self.tokenizer = self.processor.tokenizer
         if self.tokenizer.pad_token_id is None:
             raise TrainingError(f"model.path: the tokenizer of {cfg.model.path} has no pad token")
@@ -722,7 +725,17 @@ class Trainer:
             raise
         status: Literal["succeeded", "cancelled"] = "cancelled" if stopped else "succeeded"
         callbacks.on_end(status)
+        self._end_processes()
         return TrainResult(status, self.step, history)
+
+    def _end_processes(self) -> None:
+        """With several processes: each waits for the others to reach the end, then closes the process group. A
+        process that exited with its group still open could abort in the group's C++ teardown ("terminate called
+        without an active exception", SIGABRT, seen in CI) while another was still writing its last records."""
+        if self.world == 1:
+            return
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
 
     def _announce_start(self, callbacks: CallbackList) -> None:
         """The run's start for the callbacks, with what set-up found to say (a resume, warnings, held-out data)."""

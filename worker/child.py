@@ -224,6 +224,17 @@ def _enter_work_folder(out: Path) -> Path:
     return out
 
 
+def _import_training_libraries() -> None:
+    """torch and transformers, imported before the child's own heartbeat starts. Loading their shared libraries
+    and running their initialisers happens with the GIL held, so a heartbeat thread cannot beat meanwhile: on a
+    machine whose CPU and disk are busy that took longer than a short heartbeat timeout, and the supervisor killed a
+    child that was only starting. Until the child touches its ready file the supervisor beats for it from its own
+    process, so these seconds are covered."""
+    import transformers.modeling_utils  # noqa: F401
+
+    import collage.training.trainer  # noqa: F401  (torch, and the rest of the training library)
+
+
 def _train(attempt: Attempt, config: Any, out: Path, callbacks: list[Callback], resume: bool) -> Any:
     """The run's training; a full disk (artifacts, or the store's) ends it with its path and the space left, not
     with whatever the library that hit it calls it ("iostream error", "database or disk is full")."""
@@ -268,6 +279,7 @@ def main(run_id: str, attempt_number: int) -> int:
         newest = attempt.link_earlier_checkpoints(keep_limit=_keeps_a_limit(config_data))
     except (CheckpointMissing, StorageError) as exc:
         return attempt.fail(str(exc), f"failed: {exc}"[:500])
+    _import_training_libraries()
     callback = StoreCallback(attempt.writer, run_id, heartbeat_every=attempt.settings.heartbeat_interval,
                              ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE"),
                              artifacts=attempt.settings.artifacts, mirror=attempt.settings.mirror())  # fmt: skip
@@ -316,4 +328,6 @@ def main(run_id: str, attempt_number: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2])))
+    from collage.training.processes import exit_process
+
+    exit_process(main(sys.argv[1], int(sys.argv[2])))

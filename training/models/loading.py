@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +40,33 @@ def resolve_model_path(path: str) -> str:
     folder = cache_dir("models") / f"tiny-{family}-b{TINY_BUILD}"
     if (folder / "config.json").is_file():
         return str(folder)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    try:
-        build_tiny(family, tmp)
+    # one builder at a time (the processes of a multi-process run all resolve it at once, and two builds racing
+    # to rename into place failed one of them); the others wait, then find it built
+    with _exclusive(folder.parent / f".{folder.name}.lock"):
+        if (folder / "config.json").is_file():
+            return str(folder)
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
         try:
-            os.rename(tmp, folder)
-        except OSError:  # another worker built it at the same time
-            if not (folder / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            build_tiny(family, tmp)
+            if folder.exists():  # a build interrupted between its rename and its files: never a model
+                shutil.rmtree(folder)
+            os.rename(tmp, folder)  # the whole folder appears at once
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return str(folder)
+
+
+@contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    """An exclusive lock between processes on this machine (released if the holder dies)."""
+    import fcntl
+
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def model_family(path: str) -> Family:
