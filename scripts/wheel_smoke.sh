@@ -3,7 +3,8 @@
 # the development .venv), used from a folder outside the checkout.
 #   1. [web] alone (no torch): `collage db upgrade`, `collage serve --workers 0`, GET /login and a static asset;
 #      torch is absent, `collage train` says which extra to install, and no generic top-level module exists.
-#   2. [all]: `collage train` on a tiny model for 2 steps.
+#   2. [all]: pip resolves it from the wheel (a dry run); the wheel installed, with .venv's distributions lent to it
+#      (every [all] requirement checked); `collage train` on a tiny model for 2 steps.
 # Prints each environment's install footprint (docs/packaging.md records them).
 # Installs use --no-compile: each environment runs a few commands, which import a few hundred modules, and
 # compiling every module of torch, transformers and their dependencies at install is CPU CI does not need.
@@ -25,7 +26,8 @@ say() { echo "wheel-smoke: $*"; }
 rm -rf build/lib build/bdist.*
 .venv/bin/python -m build --wheel --outdir "$work/dist" . >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 wheel=$(ls "$work"/dist/collage_rl-*.whl)
-say "built $(basename "$wheel")"
+wheel_name=$(basename "$wheel")
+say "built $wheel_name"
 .venv/bin/python - "$wheel" <<'PY'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
@@ -85,7 +87,54 @@ kill "$server"; wait "$server" 2>/dev/null || true; server=""
 say "fresh venv with [all]"
 "$PYTHON" -m venv full
 full/bin/python -m pip install --quiet --upgrade pip 2>/dev/null
-full/bin/python -m pip install --quiet --no-compile "$wheel[all]" 2>&1 | grep -v "^WARNING: Location" || true
+# pip resolves [all] from the wheel's own metadata, as for a user: every requirement found (nothing installed)
+full/bin/python -m pip install --quiet --dry-run --ignore-installed --report "$work/all.json" "$wheel[all]" 2>&1 |
+  grep -v "^WARNING: Location" || true
+say "pip resolves $wheel_name[all] to $(full/bin/python -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["install"]))' "$work/all.json") distributions"
+# The distributions themselves are the development .venv's, lent through a .pth line (appended to sys.path, so the
+# checkout's editable install is not), instead of unpacking torch and its CUDA libraries, 5.8 GB, a second time:
+# on a CI machine with a slow disk that took eleven minutes and slowed every test beside it. The wheel itself is
+# installed for real (its own collage/, entry point and data files), and every [all] requirement is checked below.
+lent=$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$lent" >"$(full/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/lent-by-wheel-smoke.pth"
+full/bin/python -m pip install --quiet --no-compile --no-deps --force-reinstall "$wheel" 2>&1 |
+  grep -v -e "^WARNING: Location" -e "outside environment" || true
+full/bin/python - "$wheel" <<'PY'
+import sys, zipfile
+from importlib import metadata
+from pathlib import Path
+from packaging.requirements import Requirement
+
+import sysconfig
+
+import collage.app
+
+site = Path(sysconfig.get_paths()["purelib"]).resolve()
+assert Path(collage.app.__file__).resolve().parents[2] == site, f"collage comes from {collage.app.__file__}"
+dist = next(d for d in metadata.distributions() if d.metadata["Name"] == "collage-rl")  # this venv's, first on the path
+assert Path(str(dist.locate_file(""))).resolve() == site, f"collage-rl's metadata is {dist.locate_file('')}'s"
+requires = [Requirement(r) for r in dist.requires or []]
+extras, todo = set(), ["all"]
+while todo:  # [all] and the extras it names
+    extra = todo.pop()
+    extras.add(extra)
+    for req in requires:
+        if req.marker and req.marker.evaluate({"extra": extra}) and req.name == "collage-rl":
+            todo += [e for e in req.extras if e not in extras]
+unmet = []
+for req in requires:
+    if req.name == "collage-rl" or (req.marker and not any(req.marker.evaluate({"extra": e}) for e in extras | {""})):
+        continue
+    try:
+        version = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        unmet.append(f"{req} (not installed)")
+        continue
+    if not req.specifier.contains(version, prereleases=True):
+        unmet.append(f"{req} (found {version})")
+assert not unmet, f"[all] requirements not met: {unmet}"
+print(f"wheel-smoke: collage from the wheel; all {len(requires)} requirements of [{', '.join(sorted(extras))}] met")
+PY
 cat >"$work/tiny.yaml" <<'YAML'
 name: wheel-smoke
 model: {path: "tiny:qwen2-vl"}
@@ -97,4 +146,4 @@ YAML
 OMP_NUM_THREADS=1 full/bin/collage train "$work/tiny.yaml" --out "$work/run" --quiet
 test "$(wc -l <"$work/run/metrics.jsonl")" -eq 2
 say "collage train from the [all] install ran 2 steps"
-say "install footprint: [web] $(du -sm web | cut -f1) MB, [all] $(du -sm full | cut -f1) MB (virtual environments)"
+say "install footprint: [web] $(du -sm web | cut -f1) MB (virtual environment; [all] is lent .venv's distributions here, see docs/packaging.md)"

@@ -122,6 +122,9 @@ def postgres_url():
     admin = PG_ADMIN_URL.replace("+psycopg", "")
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
+        # a commit need not wait for its WAL to reach the disk: a test database is dropped at the end, and on a CI
+        # machine whose disk is busy (pip unpacking torch beside the tests) each such wait took up to seconds
+        conn.execute(f'ALTER DATABASE "{name}" SET synchronous_commit = off')
     base = PG_ADMIN_URL.rsplit("/", 1)[0]
     yield f"{base}/{name}"
     from collage.app.db import engine_for

@@ -59,6 +59,10 @@ def server(tmp_path_factory):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+# what a page may take to show something: Playwright's 30 s default was exceeded on a loaded 2-core CI machine
+PAGE_TIMEOUT_MS = 90_000
+
+
 @pytest.fixture(scope="module")
 def browser():
     require_service(None if Path(CHROMIUM).exists() else f"no Chromium at {CHROMIUM} (apt-get install chromium)")
@@ -78,6 +82,7 @@ def browser():
 @pytest.fixture
 def page(browser, server):
     context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(PAGE_TIMEOUT_MS)
     page = context.new_page()
     page.errors = []
     page.on("pageerror", lambda exc: page.errors.append(str(exc)))
@@ -95,6 +100,7 @@ def login(browser, server, width: int = 1400, height: int = 900, token: str | No
     """A new browser context of this size, logged in with ``token`` (the admin's by default): ``(context, page)``;
     the page collects its errors in ``page.errors``."""
     context = browser.new_context(viewport={"width": width, "height": height})
+    context.set_default_timeout(PAGE_TIMEOUT_MS)
     page = context.new_page()
     page.errors = []
     page.on("pageerror", lambda exc: page.errors.append(str(exc)))
@@ -117,7 +123,7 @@ SMALL = {
 }
 
 
-def wait_rows(page, count: int, timeout: float = 30_000) -> None:
+def wait_rows(page, count: int, timeout: float = PAGE_TIMEOUT_MS) -> None:
     """Wait until the rollout table shows the answer to its current filters: the row count (one request) is
     ``count`` and the rows (another request, which may answer later) are on the page, not "Loading rows…"."""
     wait_js(
@@ -128,7 +134,7 @@ def wait_rows(page, count: int, timeout: float = 30_000) -> None:
     )
 
 
-def wait_js(page, expression: str, timeout: float = 30_000) -> None:
+def wait_js(page, expression: str, timeout: float = PAGE_TIMEOUT_MS) -> None:
     """Poll a JavaScript expression until it is true. (Playwright's wait_for_function compiles the expression
     inside the page, which the dashboard's Content-Security-Policy forbids: no eval. Evaluating from outside,
     through the DevTools protocol, is not the page's own script.)"""

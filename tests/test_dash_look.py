@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from .dashboard_support import API, ROOT, login, shoot, wait_js
+from .dashboard_support import API, PAGE_TIMEOUT_MS, ROOT, login, shoot, wait_js
 
 API_DOC = ROOT / "docs" / "api.md"
 
@@ -178,7 +178,7 @@ def test_390_px_wide_pages_never_scroll_sideways(browser, server, quick_run):
     ready = {"runs": f'tr[data-run="{run_id}"]', "launch": ".reward", "run": ".chart canvas", "rollouts": "tr.sample"}
     for name, path in pages.items():
         page.goto(server["base"] + path)
-        page.wait_for_selector(ready[name], timeout=30_000)
+        page.wait_for_selector(ready[name], timeout=PAGE_TIMEOUT_MS)
         page.wait_for_load_state("networkidle")
         width = page.evaluate("document.documentElement.scrollWidth")
         assert width <= 390, f"{path} is {width} px wide at 390"
@@ -237,6 +237,7 @@ def test_keyboard_focus_is_visible_on_every_stop(page, server):
 
 def test_api_docs_load_with_every_outside_request_blocked(browser, server):
     context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(PAGE_TIMEOUT_MS)
     page = context.new_page()
     errors, outside = [], []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -254,7 +255,7 @@ def test_api_docs_load_with_every_outside_request_blocked(browser, server):
     response = page.goto(server["base"] + f"{API}/docs")
     csp = response.headers["content-security-policy"]
     assert "script-src 'self';" in csp and "unsafe-eval" not in csp and "cdn" not in csp
-    page.wait_for_selector(".opblock", timeout=30_000)
+    page.wait_for_selector(".opblock", timeout=PAGE_TIMEOUT_MS)
     paths = page.locator(".opblock-summary-path").all_inner_texts()
     assert f"{API}/runs" in paths and f"{API}/runs/{{run_id}}/samples" in paths, paths
     assert page.locator(".opblock").count() >= 20
@@ -275,6 +276,7 @@ def test_api_docs_load_with_every_outside_request_blocked(browser, server):
 def test_screenshots_of_every_page_in_light_and_dark(browser, server, quick_run):
     client, run_id = server["client"], quick_run["id"]
     context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(PAGE_TIMEOUT_MS)
     page = context.new_page()
     page.goto(server["base"] + "/login")
     shoot(page, "look-login")
@@ -293,7 +295,7 @@ def test_screenshots_of_every_page_in_light_and_dark(browser, server, quick_run)
     }
     for name, (path, ready) in pages.items():
         page.goto(server["base"] + path)
-        page.wait_for_selector(ready, timeout=30_000)
+        page.wait_for_selector(ready, timeout=PAGE_TIMEOUT_MS)
         page.wait_for_load_state("networkidle")
         shoot(page, f"look-{name}")
     assert not page.errors, page.errors

@@ -19,7 +19,7 @@ import pytest
 from collage.app.web.fields import form_fields, gpus_default
 from collage.worker.registry import parse_nvidia_smi, probe_gpus
 
-from .dashboard_support import API, shoot, small_config, wait_done, wait_js
+from .dashboard_support import API, PAGE_TIMEOUT_MS, shoot, small_config, wait_done, wait_js
 
 
 def _wait(predicate, what: str, timeout: float = 120):
@@ -371,14 +371,16 @@ def test_launch_maps_a_datasets_own_columns_and_shows_the_rendered_prompts(page,
     page.select_option("#map-prompt", "")
     page.fill('[name="dataset.prompt_template"]', "{images}Question: {question}")
     wait_js(page, "[...document.querySelectorAll('#preview .preview-rows tbody tr')].some(r => "
-                  "r.innerText.includes('Question: q3'))", timeout=30_000)  # fmt: skip
+                  "r.innerText.includes('Question: q3'))", timeout=PAGE_TIMEOUT_MS)  # fmt: skip
     shoot(page, "launch-column-mapping")
     # a column the dataset lacks: 422 at the template's field, no run
     page.fill('[name="dataset.prompt_template"]', "{images}Question: {question} {hint}")
     page.fill('[name="name"]', "byod-missing")
     page.click("#launch-btn")
     slot = '[data-error-for="dataset.prompt_template"]'
-    wait_js(page, f"document.querySelector('{slot}').textContent.includes(\"no column 'hint'\")", timeout=30_000)
+    wait_js(
+        page, f"document.querySelector('{slot}').textContent.includes(\"no column 'hint'\")", timeout=PAGE_TIMEOUT_MS
+    )
     assert server["client"].get("/runs", params={"q": "byod-missing"}).json()["items"] == []
     page.fill('[name="dataset.prompt_template"]', "{images}Question: {question}")
     page.fill('[name="name"]', "byod")

@@ -9,11 +9,12 @@ import re
 
 import httpx
 
-from .dashboard_support import API, SHOTS, SMALL, small_config, wait_done, wait_js
+from .dashboard_support import API, PAGE_TIMEOUT_MS, SHOTS, SMALL, small_config, wait_done, wait_js
 
 
 def test_login_page_and_login_link(browser, server):
     context = browser.new_context(viewport={"width": 1200, "height": 700})
+    context.set_default_timeout(PAGE_TIMEOUT_MS)
     page = context.new_page()
     page.goto(server["base"] + "/runs")
     page.wait_for_url(lambda url: "/login" in url and "next=" in url)
@@ -65,10 +66,10 @@ def test_launch_from_the_form_watch_it_succeed_and_inspect_rollouts(page, server
     assert "max_steps: 4" in page.inner_text("#yaml")
     page.screenshot(path=str(SHOTS / "launch.png"), full_page=True)
     page.click("#launch-btn")
-    page.wait_for_url("**/runs/*", timeout=30_000)
+    page.wait_for_url("**/runs/*", timeout=PAGE_TIMEOUT_MS)
     run_id = page.url.rstrip("/").rsplit("/", 1)[1]
     wait_js(page, "document.getElementById('status').textContent === 'succeeded'", timeout=180_000)
-    wait_js(page, "document.querySelectorAll('.chart canvas').length >= 10", timeout=30_000)
+    wait_js(page, "document.querySelectorAll('.chart canvas').length >= 10", timeout=PAGE_TIMEOUT_MS)
     for metric in (
         "reward",
         "loss",

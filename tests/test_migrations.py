@@ -11,12 +11,10 @@ from sqlalchemy import text
 from .conftest import PG_ADMIN_URL, _postgres_available, require_service
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def empty_url(request, tmp_path):
-    """A database no migration has touched yet (a fresh PostgreSQL database per test, dropped after)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'store.db'}"
-        return
+@pytest.fixture(scope="module")
+def migrations_database():
+    """One PostgreSQL database for the module, dropped at its end: dropping a database makes PostgreSQL wait for a
+    checkpoint (every dirty page of the server to disk), which took up to 19 s on a busy CI machine per test."""
     require_service(_postgres_available())
     import psycopg
 
@@ -30,6 +28,25 @@ def empty_url(request, tmp_path):
     engine_for.cache_clear()
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_url(request, tmp_path):
+    """A database no migration has touched yet: a new SQLite file, or the module's PostgreSQL database emptied
+    (its extensions and its public schema dropped and the schema made again)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'store.db'}"
+        return
+    import psycopg
+
+    url = request.getfixturevalue("migrations_database")
+    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                     "WHERE datname = current_database() AND pid <> pg_backend_pid()")  # fmt: skip
+        conn.execute("DROP EXTENSION IF EXISTS btree_gin, pg_trgm CASCADE")
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+    yield url
 
 
 def test_the_migrated_schema_is_the_models_schema(empty_url):
