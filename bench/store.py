@@ -495,6 +495,7 @@ def measure(store: Store, args: argparse.Namespace, home: Path) -> list[tuple[st
     from fastapi.testclient import TestClient
 
     from collage.app.main import create_app
+    from collage.app.serve import freeze_startup_heap
     from collage.app.settings import Settings
     from collage.app.store.tokens import create_token
 
@@ -502,6 +503,8 @@ def measure(store: Store, args: argparse.Namespace, home: Path) -> list[tuple[st
     app = create_app(settings, Dispatcher())
     token = create_token(engine_for(store.url), f"bench-{uuid.uuid4().hex[:8]}")  # --reuse-db: not the first
     client = TestClient(app, headers={"Authorization": f"Bearer {token}"})
+    if not args.no_freeze:
+        freeze_startup_heap()  # as `collage serve` does before it answers
     rng = random.Random(args.seed + 1)
     results = []
     for query in queries(store.steps):
@@ -602,6 +605,8 @@ def main() -> None:
     parser.add_argument("--keep-db", action="store_true", help="postgresql: keep the database at the end")
     parser.add_argument("--reuse-db", metavar="NAME", help="postgresql: time a database kept before (no fill)")
     parser.add_argument("--only", action="append", metavar="TEXT", help="time only the queries whose name has TEXT")
+    parser.add_argument("--no-freeze", action="store_true",
+                        help="leave the start-up heap to the garbage collector (collage serve freezes it)")  # fmt: skip
     args = parser.parse_args()
     if args.rows < args.runs or args.metric_runs > args.runs:
         parser.error("need --rows >= --runs >= --metric-runs")
