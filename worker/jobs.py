@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import importlib
 import logging
-import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
@@ -29,6 +28,7 @@ from collage.app.store import jobs as store
 
 from .celery_app import JOB_TASK_NAME, celery_app
 from .errors import WorkerError
+from .heartbeat import Heartbeat
 
 log = logging.getLogger("collage.worker")
 
@@ -52,7 +52,6 @@ class JobContext:
     job: Job
     settings: Settings
     worker: str
-    _stop: threading.Event = field(default_factory=threading.Event)
 
     @property
     def engine(self):
@@ -70,13 +69,6 @@ class JobContext:
         if self.cancelled():
             raise JobCancelled(f"job {self.job.id} was cancelled")
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_interval):
-            try:
-                store.beat(self.engine, self.job.id)
-            except Exception:  # the store may be briefly away: the next beat tries again
-                log.exception("job %s: heartbeat failed", self.job.id)
-
 
 def handler_for(kind: str) -> Callable[[JobContext], dict[str, Any]]:
     module, _, name = HANDLERS[JobKind(kind)].partition(":")
@@ -87,8 +79,8 @@ def run_job(job: Job, settings: Settings, worker: str) -> str:
     """Run a claimed job to its end; returns its final status."""
     engine = engine_for(settings.database_url)
     context = JobContext(job, settings, worker)
-    beat = threading.Thread(target=context._beat, name="collage-job-heartbeat", daemon=True)
-    beat.start()
+    heartbeat = Heartbeat(lambda: store.beat(engine, job.id), settings.heartbeat_interval, f"collage-job-{job.id}")
+    heartbeat.start()
     try:
         result = handler_for(job.kind)(context)
     except JobCancelled:
@@ -103,7 +95,7 @@ def run_job(job: Job, settings: Settings, worker: str) -> str:
         store.finish_job(engine, job.id, RunStatus.FAILED, error=error, message=f"failed: {error}")
         return RunStatus.FAILED
     finally:
-        context._stop.set()
+        heartbeat.stop(wait=False)
     if context.cancelled():  # the handler finished its last piece after a cancel: the cancel wins
         store.finish_job(engine, job.id, RunStatus.CANCELLED, message="cancelled")
         return RunStatus.CANCELLED

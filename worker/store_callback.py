@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from collage.training.callbacks import BackgroundWriter, Callback, CheckpointInf
 from collage.training.objectstore import ObjectMirror
 
 from .checkpoint_publisher import CheckpointPublisher
+from .heartbeat import Heartbeat
 
 log = logging.getLogger("collage.worker")
 
@@ -72,31 +72,28 @@ class StoreCallback(Callback):
         self.run_id = run_id
         self.heartbeat_every = heartbeat_every
         self.ready_file = ready_file
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._heartbeat: Heartbeat | None = None
         self.final: tuple[str, str | None] | None = None
 
     def _beat(self) -> None:
-        # a long step must not look like a dead worker
-        while not self._stop.wait(self.heartbeat_every):
-            try:
-                self.writer.heartbeat(self.run_id)
-            except StaleAttempt:
-                log.error("run %s: this attempt is no longer current; stopping now", self.run_id)
-                os._exit(EXIT_STALE)  # nothing it would still write may reach the store or the run folder
-            except Exception:  # the writer already retried; a missed beat is tolerated by the reaper
-                log.exception("run %s: heartbeat failed", self.run_id)
+        # a long step must not look like a dead worker; a failed beat is logged by Heartbeat, and the writer has
+        # already retried it
+        try:
+            self.writer.heartbeat(self.run_id)
+        except StaleAttempt:
+            log.error("run %s: this attempt is no longer current; stopping now", self.run_id)
+            os._exit(EXIT_STALE)  # nothing it would still write may reach the store or the run folder
 
     def start_heartbeat(self) -> None:
-        if self._thread is None:
+        if self._heartbeat is None:
             self.writer.heartbeat(self.run_id)
             if self.ready_file:
                 Path(self.ready_file).touch()  # the supervisor stops beating for us
-            self._thread = threading.Thread(target=self._beat, name="collage-heartbeat", daemon=True)
-            self._thread.start()
+            self._heartbeat = Heartbeat(self._beat, self.heartbeat_every, "collage-heartbeat").start()
 
     def stop_heartbeat(self) -> None:
-        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.stop(wait=False)
 
     def _stale(self, exc: BaseException) -> None:
         """Runs on the background writer's thread when a write fails: a superseded attempt stops at once."""

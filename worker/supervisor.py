@@ -15,10 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timezone
 from pathlib import Path
@@ -35,6 +32,7 @@ from collage.training.diskspace import DiskFull
 
 from .child import EXIT_STORE_FULL, NICE_ENV
 from .errors import WorkerError
+from .heartbeat import Heartbeat
 from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded
 
 log = logging.getLogger("collage.worker")
@@ -219,30 +217,18 @@ def run_claimed(
         )
 
 
-@contextmanager
-def _beating(mine: StoreWriter, run_id: str, every: float) -> Iterator[None]:
-    """Beat for the run from a thread while the block prepares and starts its training process (the watch loop
+def _beating(mine: StoreWriter, run_id: str, every: float) -> Heartbeat:
+    """Beats for the run from a thread while the block prepares and starts its training process (the watch loop
     beats after that). A stale attempt stops the beats; the block's own state check then sees it."""
-    done = threading.Event()
 
-    def beat() -> None:
-        while True:
-            try:
-                mine.heartbeat(run_id)
-            except StaleAttempt:
-                return
-            except Exception:  # the store is briefly unreachable: the next beat tries again
-                log.exception("run %s: heartbeat failed", run_id)
-            if done.wait(every):
-                return
+    def beat() -> bool:
+        try:
+            mine.heartbeat(run_id)
+        except StaleAttempt:
+            return False
+        return True
 
-    thread = threading.Thread(target=beat, name=f"collage-beat-{run_id}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
+    return Heartbeat(beat, every, f"collage-beat-{run_id}", first_now=True)
 
 
 def _heartbeat_age(writer: StoreWriter, run_id: str) -> float | None:
