@@ -48,7 +48,7 @@ def resolve_model_path(path: str) -> str:
         tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
         try:
             build_tiny(family, tmp)
-            if folder.exists():  # a build interrupted between its rename and its files: never a model
+            if folder.exists():  # a folder without config.json, left by something else: never a model
                 shutil.rmtree(folder)
             os.rename(tmp, folder)  # the whole folder appears at once
         finally:
