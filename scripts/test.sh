@@ -2,19 +2,20 @@
 # The whole test suite, from a fresh machine: set up, lint, type-check, pytest, then the wheel smoke test
 # (the built wheel in fresh virtual environments). Extra arguments go to pytest (and run it alone, in order).
 #
-# Without arguments eight jobs run side by side: four of tests that start processes (worker processes with their
-# own Redis server, `collage serve` with Chromium, training and playground processes), two of slow in-process
-# tests, the fast tier, and the type check followed by the wheel smoke test. What matters is that no job is left
-# running alone at the end: the process tests mostly wait, the in-process ones are CPU-bound. Each pytest session
-# has its own COLLAGE_HOME and its own PostgreSQL database (tests/conftest.py), so they share nothing but the
-# machine. Each job's log is printed at the end, with its time.
+# Without arguments three jobs run side by side, one per group of tier folders (tests/support/tiers.py says what
+# each tier may use): the in-process tiers (tests/unit, tests/store, tests/training), then the type check and the
+# wheel smoke test; the process tests (tests/processes); the browser tests (tests/browser). Three jobs on two
+# cores leave each test most of a core: every deadline in the suite is a condition's bound (tests/support/
+# waiting.py), never a guess at how long a loaded machine takes. Each pytest session has its own COLLAGE_HOME and
+# its own PostgreSQL database (tests/conftest.py), so they share nothing but the machine. Each job's log is
+# printed at the end, with its time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/services.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # one thread per torch process: the jobs below already keep both cores busy, and a second intra-op thread there
-# spins and contends more than it computes (tests/test_training.py: 27% more CPU for 10% less time alone)
+# spins and contends more than it computes (the training tests: 27% more CPU for 10% less time alone)
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 # Collage's own modules byte-compiled once: pip compiled the installed packages, but the checkout (an editable
 # install) is compiled by whichever process imports it first, and never cached where PYTHONDONTWRITEBYTECODE is
@@ -30,27 +31,6 @@ if [ "$#" -gt 0 ]; then
 fi
 
 started=$SECONDS
-# Module lists by kind. The process tests spend most of their time waiting (training runs, idle timeouts, a
-# server down on purpose), so they are spread over several jobs; the in-process tests are CPU-bound.
-workers=(tests/test_workers.py tests/test_trackers.py
-         tests/test_multihost.py::test_a_killed_worker_host_s_run_resumes_on_the_other_host_from_the_bucket)
-dashboard=(tests/test_dashboard.py tests/test_dash_charts.py tests/test_dash_look.py tests/test_dash_ops.py
-           tests/test_dash_rollouts.py)
-playground=(tests/test_dash_playground.py tests/test_shutdown.py tests/test_lifecycle.py tests/test_cli_runs.py
-            tests/test_faults.py tests/test_replicas.py)
-processes=(tests/test_dash_friction.py tests/test_dash_checkpoints.py tests/test_dash_eval.py tests/test_eval_e2e.py
-           tests/test_export_worker.py tests/test_playground_worker.py
-           tests/test_multihost.py::test_the_s3_server_down_for_30_seconds_mid_run_loses_nothing)
-# the slow in-process tests that go through the API and the store (the rest train, generate and export)
-slow_store=(tests/test_api.py tests/test_api_fuzz.py tests/test_roles.py tests/test_store_faults.py
-            tests/test_data_door.py tests/test_api_hardening.py tests/test_large_data.py tests/test_check.py
-            tests/test_packaging.py tests/test_export_jobs.py)
-ignore=()
-for f in "${workers[@]}" "${dashboard[@]}" "${playground[@]}" "${processes[@]}"; do
-  ignore+=("--ignore=${f%%::*}")  # a test's module, not its id
-done
-slow_rest=("${ignore[@]}")
-for f in "${slow_store[@]}"; do slow_rest+=("--ignore=$f"); done
 logs=$(mktemp -d)
 pids=()
 names=()
@@ -64,23 +44,12 @@ job() {
   pids+=($!)
   names+=("$name")
 }
-pytest_job() {
-  local name=$1
-  shift
-  job "$name" .venv/bin/python -m pytest -p no:cacheprovider "$@"
-}
-checks() { bash scripts/typecheck.sh && bash scripts/wheel_smoke.sh; }
-# Eight jobs share the two cores, so that no single job is left running alone at the end. The fast tier is what
-# `pytest -m "not slow"` runs on a laptop. Coverage is measured by scripts/coverage.sh, not here: on 2 cores it
-# adds about two minutes.
-pytest_job "workers and trackers" --durations=15 "${workers[@]}"
-pytest_job "dashboard" --durations=15 "${dashboard[@]}"
-pytest_job "playground, shutdown and lifecycle" --durations=15 "${playground[@]}"
-pytest_job "evaluation, export and friction" --durations=15 "${processes[@]}"
-pytest_job "slow in-process tests: API and store" -m slow --durations=20 "${slow_store[@]}"
-pytest_job "slow in-process tests: training" -m slow --durations=20 "${slow_rest[@]}"
-pytest_job "fast tier (-m 'not slow')" -m "not slow" --durations=10 "${ignore[@]}"
-job "type check (mypy), then the wheel smoke test" checks
+pytest_run() { .venv/bin/python -m pytest -p no:cacheprovider --durations=25 "$@"; }
+# the in-process tiers are the shortest job: the type check and the wheel smoke test follow them in it
+in_process() { pytest_run tests/unit tests/store tests/training && bash scripts/typecheck.sh && bash scripts/wheel_smoke.sh; }
+job in-process in_process  # tests/unit, tests/store, tests/training; then mypy and the wheel smoke test
+job processes pytest_run tests/processes
+job browser pytest_run tests/browser
 status=0
 for k in "${!pids[@]}"; do
   wait "${pids[$k]}" || status=1

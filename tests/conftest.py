@@ -1,3 +1,9 @@
+"""What every tier shares: a private COLLAGE_HOME per test session, the tier check (tests/support/tiers.py), tiny
+models and synthetic datasets built once per session, and the store's databases (SQLite and PostgreSQL).
+
+Fixtures of one tier alone live in that tier's conftest.py (the workers' cluster in tests/processes, the browser
+in tests/browser)."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +17,23 @@ os.environ["COLLAGE_HOME"] = tempfile.mkdtemp(prefix="collage-test-home-")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from collage.training.models.families import FAMILIES, TINY_FAMILIES
+from .support.api import RecordingDispatcher
+
+# fixtures the tests of several tiers share, defined beside their helpers in tests/support
+from .support.datasets import bad_dataset  # noqa: F401
+from .support.hostile_data import outside_images  # noqa: F401
+from .support.migrations import empty_url, migrations_database  # noqa: F401
+from .support.serve import server  # noqa: F401 - a `collage serve` per module, for processes and browser
+from .support.services import PG_ADMIN_URL, postgres_unavailable, require_service, truncate
+from .support.tiers import (  # noqa: F401 - the tier check's hooks
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_call,
+    pytest_runtest_protocol,
+    pytest_runtest_setup,
+)
+from .support.trackers import tracker_env  # noqa: F401
+from .support.trust import outside_folder  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -83,37 +105,13 @@ def varied_dir(tmp_path_factory):
     return out
 
 
-__all__ = ["FAMILIES", "TINY_FAMILIES"]
-
-
 # ------------------------------------------------------------------------------------------ the run store
-
-PG_ADMIN_URL = os.environ.get("COLLAGE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
-
-def _postgres_available() -> str | None:
-    try:
-        import psycopg
-
-        with psycopg.connect(PG_ADMIN_URL.replace("+psycopg", ""), connect_timeout=3):
-            return None
-    except Exception as exc:  # noqa: BLE001
-        return f"PostgreSQL at {PG_ADMIN_URL} is not reachable ({type(exc).__name__}: {exc})"
-
-
-def require_service(reason: str | None) -> None:
-    """Skip on a user's machine that lacks a service; under CI=true a missing service is a failure."""
-    if reason is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must run this test: {reason}")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
 def postgres_url():
     """A fresh PostgreSQL database for this test session, dropped at the end."""
-    require_service(_postgres_available())
+    require_service(postgres_unavailable())
     import uuid
 
     import psycopg
@@ -151,72 +149,13 @@ def migrated_postgres_url(postgres_url):
     return postgres_url
 
 
-def _truncate(url: str) -> None:
-    from sqlalchemy import text
-
-    from collage.app.db import engine_for
-
-    engine = engine_for(url)
-    tables = [
-        "uploads",
-        "jobs",
-        "sample_images",
-        "samples",
-        "images",
-        "metrics",
-        "metric_rollups",
-        "events",
-        "checkpoints",
-        "run_tags",
-        "runs",
-        "web_sessions",
-        "login_links",
-        "audit_log",
-        "api_tokens",
-        "workers",
-    ]
-    with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.execute(text("TRUNCATE " + ", ".join(tables) + " RESTART IDENTITY CASCADE"))
-        else:
-            for table in tables:
-                conn.execute(text(f"DELETE FROM {table}"))
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_url(request):
     """Each store test runs on SQLite and on PostgreSQL, on an empty (migrated) database."""
     fixture = "migrated_sqlite_url" if request.param == "sqlite" else "migrated_postgres_url"
     url = request.getfixturevalue(fixture)
-    _truncate(url)
+    truncate(url)
     return url
-
-
-class RecordingDispatcher:
-    """A test double of the dispatcher, for API unit tests only: records what the API hands over."""
-
-    def __init__(self):
-        self.submitted: list[tuple[str, str]] = []
-        self.jobs: list[tuple[str, str]] = []
-        self.cancelled: list[str] = []
-        self.fail_with: Exception | None = None
-
-    def submit(self, run_id, queue):
-        if self.fail_with is not None:
-            raise self.fail_with
-        self.submitted.append((run_id, queue))
-
-    def submit_job(self, job_id, queue):
-        if self.fail_with is not None:
-            raise self.fail_with
-        self.jobs.append((job_id, queue))
-
-    def cancel(self, run_id):
-        self.cancelled.append(run_id)
-
-    def health(self):
-        # one live worker on the default queue, as a minimal deployment has
-        return {"broker": {"ok": True, "url": "test-double"}, "workers": [{"name": "w", "queues": ["default"]}]}
 
 
 @pytest.fixture
@@ -234,37 +173,10 @@ def api(database_url, tmp_path):
         database_url=database_url,
         broker_url="memory://",
         artifacts=tmp_path / "artifacts",
-        reward_modules=("tests.rewards_for_tests",),
+        reward_modules=("tests.support.rewards",),
     )
     dispatcher = RecordingDispatcher()
     app = create_app(settings, dispatcher)
     token = create_token(engine_for(database_url), "tests", role="admin")
     client = TestClient(app, headers={"Authorization": f"Bearer {token}"})
     return client, token, dispatcher, app
-
-
-# The fast tier, `pytest -m "not slow"` (a few minutes on 2 cores): every module below is marked slow as a whole:
-# they train tiny models, start servers, workers or Chromium, build wheels, or fuzz the API. CI runs everything.
-SLOW_MODULES = {
-    # servers, workers, browsers, processes (scripts/test.sh runs them beside the rest)
-    "test_workers", "test_dashboard", "test_dash_charts", "test_dash_look", "test_dash_ops", "test_dash_rollouts",
-    "test_trackers", "test_dash_playground", "test_dash_friction", "test_dash_checkpoints", "test_dash_eval",
-    "test_eval_e2e", "test_shutdown", "test_export_worker", "test_playground_worker", "test_cli_runs", "test_faults",
-    "test_lifecycle", "test_supervisor", "test_dispatch_race", "test_replicas", "test_multihost",
-    # training, generation and model forwards with tiny models; wheels; the API fuzzer
-    "test_training", "test_trl_agreement", "test_eval", "test_rollout_engine", "test_families", "test_tiny_models",
-    "test_vision_features", "test_chunked_logprobs", "test_batching", "test_layouts", "test_checkpoints",
-    "test_export", "test_export_cli", "test_offloop", "test_packaging", "test_api_fuzz", "test_large_data",
-    "test_bring_your_own_data", "test_check", "test_export_jobs",
-}  # fmt: skip
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.stem in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
-
-
-# the browser tests' fixtures (a `collage serve` per module, Chromium, a logged-in page): every dashboard test module
-# may ask for them by name; see tests/dashboard_support.py
-from .dashboard_support import browser, page, server  # noqa: E402, F401

@@ -187,11 +187,12 @@ class ObjectMirror:
     def _retry(self, what: str, call: Callable[[], T]) -> T:
         """``call()``, again with exponential backoff (0.25 s doubling to 8 s, jittered) while the fault is
         transient, for at most ``retry_for`` seconds in all."""
-        deadline = time.monotonic() + self.retry_for
-        delay = 0.25
+        started = time.monotonic()
+        deadline = started + self.retry_for
+        delay, attempt = 0.25, 1
         while True:
             try:
-                return call()
+                result = call()
             except Exception as exc:
                 if not _is_transient(exc):
                     raise
@@ -200,8 +201,16 @@ class ObjectMirror:
                     raise StorageError(
                         f"object storage {self.where}: {what} failed for {self.retry_for:.0f} s: {exc}"
                     ) from exc
+                # an outage is seen in the log as it happens (each try), not only when the retry window runs out
+                log.warning("object storage %s: %s failed (attempt %d, %.1f s so far): %s; retrying for up to %.0f s",
+                            self.where, what, attempt, time.monotonic() - started, exc, left)  # fmt: skip
                 self._sleep(min(delay * (0.5 + random.random()), left))
-                delay = min(delay * 2, 8.0)
+                delay, attempt = min(delay * 2, 8.0), attempt + 1
+            else:
+                if attempt > 1:
+                    log.warning("object storage %s: %s succeeded at attempt %d, after %.1f s", self.where, what,
+                                attempt, time.monotonic() - started)  # fmt: skip
+                return result
 
     # ----------------------------------------------------------------------------------------- single objects
     def ensure_bucket(self) -> None:

@@ -170,6 +170,8 @@
     for (const key of [...new Set(keys.filter(isEval).map(chartOf))].sort(byRank(evaluation))) if (!evaluation.charts.has(key)) addChart(key, metrics);
     for (const key of keys.filter(k => byImages(k) !== null)) addCount(key, metrics[key]);
     addOverlay(metrics);
+    // how many loads from the store have finished: what a script (or a browser test) waits on after the run ends
+    document.body.dataset.chartLoads = String(Number(document.body.dataset.chartLoads || 0) + 1);
   }
 
   function onMetrics(step, values) {

@@ -1,0 +1,24 @@
+"""Overrides that pick a list item (`--set rewards[0].weight=2`), and errors that name the value a `--set` gave."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import yaml
+
+from tests.support import ROOT
+from tests.support.browser import small_config
+from tests.support.waiting import scaled
+
+
+def test_the_command_line_prints_the_key_and_the_value(tmp_path):
+    file = tmp_path / "c.yaml"
+    file.write_text(yaml.safe_dump(small_config("o")))
+    done = subprocess.run([sys.executable, "-m", "collage.app.cli", "train", str(file), "--out", str(tmp_path / "o"),
+                           "--set", "rewards[0].weight=x"], capture_output=True, text=True, cwd=ROOT, timeout=scaled(120))  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "collage: config error: rewards[0].weight: Input should be a valid number, unable to parse string as a "
+        "number (--set gave 'x')"
+    ], done.stderr

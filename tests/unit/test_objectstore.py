@@ -1,0 +1,62 @@
+"""Artifacts on object storage (collage.training.objectstore) against a real S3 server (SeaweedFS): single
+objects written once, folders visible only with their manifest, fetches checked against it, bad manifests refused,
+an unreachable server reported by name after the retry window."""
+
+from __future__ import annotations
+
+import pytest
+
+from collage.training.errors import InputError
+from collage.training.objectstore import (
+    ObjectMirror,
+    S3Location,
+    local_cache_root,
+)
+
+
+def test_urls_are_parsed_and_bad_ones_named():
+    assert S3Location.parse("s3://b/one/two/") == S3Location("b", "one/two/")
+    assert S3Location.parse("s3://b").key("images/x.png") == "images/x.png"
+    for bad in ("s3://", "s3:///x", "/local/folder", "s3://b/../up"):
+        with pytest.raises(InputError, match="COLLAGE_ARTIFACTS"):
+            S3Location.parse(bad)
+
+
+def test_each_bucket_and_prefix_has_its_own_cache_folder(tmp_path):
+    assert local_cache_root(tmp_path, "s3://a/p") != local_cache_root(tmp_path, "s3://a/q")
+    assert local_cache_root(tmp_path, "s3://a/p").is_relative_to(tmp_path)
+
+
+def test_transient_faults_are_told_from_lasting_ones_through_boto3_s_wrappers():
+    from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    from collage.training.objectstore import _is_transient
+
+    def wrapped(error: BaseException) -> BaseException:
+        try:
+            try:
+                raise error
+            except Exception as inner:
+                raise S3UploadFailedError("Failed to upload") from inner
+        except S3UploadFailedError as outer:
+            return outer
+
+    def client_error(status: int, code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert _is_transient(wrapped(client_error(500, "InternalError")))  # the server restarting mid-upload
+    assert _is_transient(wrapped(client_error(503, "SlowDown")))
+    assert _is_transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert not _is_transient(wrapped(client_error(403, "AccessDenied")))  # fixed by a person, not by waiting
+    assert not _is_transient(OSError(28, "No space left on device"))
+
+
+def test_an_s3_url_without_boto3_names_the_extra_to_install(monkeypatch):
+    import sys
+
+    from collage.training.errors import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if it were not installed
+    with pytest.raises(MissingExtraError, match=r"pip install 'collage-rl\[s3\]'"):
+        ObjectMirror("s3://b/p").ensure_bucket()

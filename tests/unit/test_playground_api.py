@@ -1,0 +1,31 @@
+"""The playground's routes on the real app and store (SQLite and PostgreSQL): image uploads (formats, size, pixel
+and quota bounds, metadata stripped), and the validation, resolution, queueing, visibility and cancel of
+generations. The worker side is in tests/test_playground_worker.py, the page in tests/test_dash_playground.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+
+def test_prompts_place_images_with_markers_or_before_the_text():
+    from collage.app.playground import Refused, prompt_conversation
+
+    assert prompt_conversation("Count.", 2) == (
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Count."}]}],
+        [0, 1],
+    )
+    conversation, order = prompt_conversation("Is [image 2] brighter than [image 1]?", 2)
+    assert conversation[0]["content"] == [{"type": "text", "text": "Is "}, {"type": "image"},
+                                          {"type": "text", "text": " brighter than "}, {"type": "image"},
+                                          {"type": "text", "text": "?"}]  # fmt: skip
+    assert order == [1, 0]  # the second image fills the first placeholder
+    for prompt, why in [("[image 1] and [image 3]", "has 2 image"), ("[image 1] [image 1]", "more than once"),
+                        ("only [image 1]", "not [image 2]")]:  # fmt: skip
+        with pytest.raises(Refused, match=re.escape(why)):
+            prompt_conversation(prompt, 2)
+    stored = [{"role": "user", "content": [{"type": "text", "text": "Image 1: "}, {"type": "image"}]}]
+    assert prompt_conversation(stored, 1) == (stored, [0])
+    with pytest.raises(Refused, match="placeholder"):
+        prompt_conversation(stored, 2)

@@ -1,0 +1,48 @@
+"""The trust model (docs/security.md): API clients choose neither the code a worker runs nor the files it reads.
+
+Through the real app (SQLite and PostgreSQL) and the real resolver; the api fixture allowlists
+tests.support.rewards and its COLLAGE_HOME (the default root) is the test's tmp_path.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from collage.training.rewards.registry import UnknownRewardError, resolve_reward
+from tests.support.trust import ALLOWED, GADGETS
+
+
+@pytest.mark.parametrize("gadget", GADGETS)
+def test_resolve_reward_refuses_gadgets_even_when_their_module_is_allowlisted(gadget):
+    module = gadget.partition(":")[0]
+    with pytest.raises(UnknownRewardError, match="never provides rewards"):
+        resolve_reward(gadget, reward_modules=[ALLOWED, module, module.split(".")[0]])
+    with pytest.raises(UnknownRewardError):
+        resolve_reward(gadget, reward_modules=[ALLOWED])
+
+
+@pytest.mark.parametrize(
+    "attr,problem",
+    [
+        ("system", "not a function"),  # from os import system
+        ("run_command", "defined in 'subprocess'"),  # from subprocess import run as run_command
+        ("NotAReward", "not a function"),
+        ("_private_helper", "private"),
+        ("completion_text", "defined in 'collage.training.rewards.builtins'"),
+    ],
+)
+def test_an_allowlisted_module_reaches_only_its_own_functions(attr, problem):
+    with pytest.raises(UnknownRewardError, match=problem):
+        resolve_reward(f"{ALLOWED}:{attr}", reward_modules=[ALLOWED])
+    if not attr.startswith("_"):  # trusted (local collage train): any callable, as before
+        assert resolve_reward(f"{ALLOWED}:{attr}").name == attr
+
+
+def test_allowlisted_sync_and_async_functions_resolve():
+    sync = resolve_reward(f"{ALLOWED}:starts_with_digit", reward_modules=[ALLOWED])
+    async_ = resolve_reward(f"{ALLOWED}:slow_async_a", reward_modules=["tests"])
+    assert sync.fn.__name__ == "starts_with_digit" and not sync.is_async and async_.is_async
+    with pytest.raises(UnknownRewardError, match="not allowlisted"):
+        resolve_reward(f"{ALLOWED}:starts_with_digit", reward_modules=[])  # nothing allowlisted: nothing runs
+    with pytest.raises(UnknownRewardError, match="not allowlisted"):
+        resolve_reward(f"{ALLOWED}:starts_with_digit", reward_modules=["tests.rewards"])  # a prefix is no parent
