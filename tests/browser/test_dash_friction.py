@@ -6,57 +6,15 @@ parent, and a queued run's place in the runs list. Plus the count route on SQLit
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 
 import pytest
-from PIL import Image
 
-from collage.app.store.writer import ImageIn, SampleIn
 from tests.support import API, ROOT
 from tests.support.browser import login, shoot, small_config, wait_done, wait_js, wait_rows, wait_status
-from tests.support.serve import store_writer
+from tests.support.rollouts import seed_run
 from tests.support.waiting import scaled
-
-WORDS = "the first image shows a red square and the second one a blue circle so the count is "
-
-
-def _png(colour, size=(40, 30)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, colour).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _seed(server, name: str, completion: str, config_changes: dict | None = None, images: int = 5,
-          rewards=("accuracy", "numeric", "format")) -> str:  # fmt: skip
-    """A finished run written into the server's store: 2 steps x 2 groups x 3 completions of long text, `images`
-    images per prompt, a long dataset column, one reward column per function."""
-    from collage.training.config import parse_config
-
-    engine, writer = store_writer(server)
-    config = small_config(name)
-    config["rewards"] = [{"name": r} for r in rewards]
-    config.update(config_changes or {})
-    run = writer.create_run(parse_config(config).model_dump(mode="json"))
-    writer.transition(run.id, ["queued", "running"], "succeeded")
-    for step in (1, 2):
-        rows = []
-        for g in range(2):
-            for i in range(3):
-                pictures = [ImageIn(_png((50 * k, 200 - 30 * k, 60 * g), (48 + 8 * k, 40))) for k in range(images)]
-                content = [{"type": "image"} for _ in pictures] + [
-                    {"type": "text", "text": f"Count the images that show a red shape (prompt {g})."}
-                ]
-                rows.append(SampleIn(group=g, index=i, prompt=[{"role": "user", "content": content}],
-                                     completion=f"{completion} {step}.{g}.{i} " + WORDS * (2 + i), images=pictures,
-                                     rewards={r: 0.25 * i for r in rewards}, reward=0.5 * i, advantage=-1.25 + i,
-                                     completion_length=100 + i, truncated=i == 2, group_mean=0.4, group_std=0.3,
-                                     dataset_row=5 + g, columns={"answer": str(3 + g), "task": "count-red",
-                                                                 "why": "images 1, 3 and 4 show red shapes " * 4}))  # fmt: skip
-        writer.append_samples(run.id, step, rows)
-    engine.dispose()
-    return run.id
 
 
 def test_a_drag_zoom_stays_through_live_steps_until_reset(browser, server):
@@ -96,7 +54,7 @@ def test_a_drag_zoom_stays_through_live_steps_until_reset(browser, server):
 
 @pytest.fixture(scope="module")
 def wide(server):
-    return _seed(server, "rollouts-wide", "because")
+    return seed_run(server, "rollouts-wide", "because")
 
 
 def test_rollouts_show_the_filtered_total_and_fit_1400_px(browser, server, wide):
@@ -143,8 +101,8 @@ def test_rollouts_at_390_px_show_each_completion_on_screen(browser, server, wide
 
 
 def test_compare_shows_the_prompt_images_answer_and_only_differing_keys(browser, server):
-    one = _seed(server, "compare-one", "one says", images=3, rewards=("accuracy", "numeric"))
-    two = _seed(server, "compare-two", "two says", images=3, rewards=("accuracy", "numeric"),
+    one = seed_run(server, "compare-one", "one says", images=3, rewards=("accuracy", "numeric"))
+    two = seed_run(server, "compare-two", "two says", images=3, rewards=("accuracy", "numeric"),
                 config_changes={"train": {**small_config("x")["train"], "learning_rate": 0.003}})  # fmt: skip
     context, page = login(browser, server)
     page.goto(f"{server['base']}/compare?ids={one},{two}")

@@ -11,6 +11,7 @@ import httpx
 
 from tests.support import API
 from tests.support.browser import SHOTS, SMALL, page_ms, small_config, wait_done, wait_js
+from tests.support.rollouts import seed_run
 
 
 def test_login_page_and_login_link(browser, server):
@@ -183,10 +184,11 @@ def test_model_output_is_escaped_everywhere(page, server):
 
 
 def test_compare_two_runs(page, server):
-    client = server["client"]
-    a = client.post("/runs", json=small_config("cmp-a")).json()["id"]
-    b = client.post("/runs", json=small_config("cmp-b", learning_rate=0.01, temperature=0.7)).json()["id"]
-    assert wait_done(client, a)["status"] == "succeeded" and wait_done(client, b)["status"] == "succeeded"
+    """Two finished runs whose configs differ (written into the store as a worker writes them: what the compare
+    page shows is theirs, not a training's)."""
+    a = seed_run(server, "cmp-a", "a says", images=2, rewards=("accuracy", "numeric"))
+    b = seed_run(server, "cmp-b", "b says", images=2, rewards=("accuracy", "numeric"),
+                 config_changes={"train": {**small_config("b")["train"], "learning_rate": 0.01, "temperature": 0.7}})  # fmt: skip
     page.goto(server["base"] + "/runs")
     page.wait_for_selector(f'tr[data-run="{a}"]')
     page.screenshot(path=str(SHOTS / "runs.png"), full_page=True)
@@ -224,4 +226,7 @@ def test_api_calls_from_a_session_need_the_csrf_token(server):
         assert blocked.status_code == 403 and "CSRF" in blocked.json()["detail"]
         allowed = session.post(API + "/runs", json=small_config("csrf"), headers={"X-CSRF-Token": page_csrf})
         assert allowed.status_code == 201
+        # it need not train: cancelled before the worker spends a training on it
+        server["client"].post(f"/runs/{allowed.json()['id']}/cancel")
+        wait_done(server["client"], allowed.json()["id"])
         assert session.post("/logout", data={"csrf_token": "wrong"}).status_code == 403

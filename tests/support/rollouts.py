@@ -1,5 +1,6 @@
-"""Rollout rows for the rollout-table tests of several tiers: a run config, rows with two reward functions (some
-unscorable), dataset columns and images written as a trainer writes them, and every page of the samples route."""
+"""Rollout rows for the rollout-table and page tests of several tiers: a run config, rows with two reward functions
+(some unscorable), dataset columns and images written as a trainer writes them, every page of the samples route,
+and whole finished runs written into a `collage serve`'s store without training (for pages that only show them)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collage.training.callbacks import COLUMN_TEXT_MAX
 from . import API
 from .api import png
 from .browser import small_config
+from .serve import store_writer
 
 LONG = "x" * (COLUMN_TEXT_MAX + 50)
 
@@ -61,3 +63,41 @@ def all_pages(client, run, **params):
         cursor = body["next_cursor"]
         if cursor is None:
             return items
+
+
+WORDS = "the first image shows a red square and the second one a blue circle so the count is "
+
+
+def seed_run(server, name: str, completion: str, config_changes: dict | None = None, images: int = 5,
+          rewards=("accuracy", "numeric", "format")) -> str:  # fmt: skip
+    """A finished run written into the server's store as a worker writes one, without training: 2 steps of metrics
+    and of 2 groups x 3 completions of long text, `images` images per prompt, a long dataset column, one reward
+    column per function."""
+    from collage.training.config import parse_config
+
+    engine, writer = store_writer(server)
+    config = small_config(name)
+    config["rewards"] = [{"name": r} for r in rewards]
+    config.update(config_changes or {})
+    run = writer.create_run(parse_config(config).model_dump(mode="json"))
+    writer.transition(run.id, ["queued"], "running")
+    for step in (1, 2):
+        rows = []
+        for g in range(2):
+            for i in range(3):
+                pictures = [ImageIn(png((50 * k, 200 - 30 * k, 60 * g), (48 + 8 * k, 40))) for k in range(images)]
+                content = [{"type": "image"} for _ in pictures] + [
+                    {"type": "text", "text": f"Count the images that show a red shape (prompt {g})."}
+                ]
+                rows.append(SampleIn(group=g, index=i, prompt=[{"role": "user", "content": content}],
+                                     completion=f"{completion} {step}.{g}.{i} " + WORDS * (2 + i), images=pictures,
+                                     rewards={r: 0.25 * i for r in rewards}, reward=0.5 * i, advantage=-1.25 + i,
+                                     completion_length=100 + i, truncated=i == 2, group_mean=0.4, group_std=0.3,
+                                     dataset_row=5 + g, columns={"answer": str(3 + g), "task": "count-red",
+                                                                 "why": "images 1, 3 and 4 show red shapes " * 4}))  # fmt: skip
+        writer.append_samples(run.id, step, rows)
+        writer.append_metrics(run.id, step, {"reward": 0.5 * step, "loss": 1.0 / step, "kl": 0.01 * step})
+        writer.set_progress(run.id, step)
+    writer.transition(run.id, ["running"], "succeeded")
+    engine.dispose()
+    return run.id
