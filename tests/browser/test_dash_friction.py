@@ -1,8 +1,7 @@
 """A new user's friction on the dashboard (issue 17, items 18-21), in a real browser against a real `collage serve`:
 a chart's drag-zoom through live steps, the rollouts' filtered total and their layout at 1400 and 390 px, the
 compare page's shared prompt and config differences, what a member may not do (said before, not after), a clone's
-parent, and a queued run's place in the runs list. Plus the count route on SQLite and PostgreSQL.
-"""
+parent, a queued run's place in the runs list, and its "no live worker" note computed when the page looks."""
 
 from __future__ import annotations
 
@@ -170,7 +169,7 @@ def test_a_member_is_told_what_it_may_not_do_before_trying(browser, server, memb
     shoot(page, "run-member-refused", full_page=False)
     # the member's own run: its buttons work
     mine = httpx.post(f"{server['base']}{API}/runs", json=small_config("mine"),
-                      headers={"Authorization": f"Bearer {member}"}, timeout=30).json()["id"]  # fmt: skip
+                      headers={"Authorization": f"Bearer {member}"}, timeout=scaled(30)).json()["id"]  # fmt: skip
     server["client"].post(f"/runs/{mine}/cancel")
     wait_done(server["client"], mine)
     page.goto(f"{server['base']}/runs/{mine}")

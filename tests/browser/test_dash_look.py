@@ -1,5 +1,6 @@
-"""The dashboard's look: dark scheme and its toggle, 390 px screens, visible keyboard focus, the API docs offline,
-the documented curl quick-start run as written, and `collage submit` printing the run's dashboard page.
+"""The dashboard's look in a real browser against a real `collage serve`: dark scheme and its toggle (charts redrawn
+in the theme's colours), 390 px screens, visible keyboard focus, the API docs offline, the documented curl
+quick-start run as written, `collage submit` printing the run's dashboard page, and screenshots of every page.
 
 One run for the whole module: the JSON config of docs/api.md's quick start, submitted by its curl commands.
 """

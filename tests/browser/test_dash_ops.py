@@ -1,9 +1,10 @@
-"""Operations (issue 13): the workers list and page, queue position and estimate, editing a run's tags and notes,
-the launch form's GPU default, and the launch preview (the dataset helper, synth rows with image markers).
+"""Operations (issue 13) in a real browser and through the API: the workers list and page, queue position and
+estimate, editing a run's tags and notes (a browser session's edit needs the CSRF header), and the launch preview
+(the dataset helper, synth rows with image markers, a dataset's own columns mapped and its prompts rendered).
 
-One `collage serve` (embedded broker, one CPU worker on queue "default") for the module: a short run that
-succeeds (the basis of queue estimates), then a long run that keeps the worker busy while the tests look at it,
-cancelled at the end.
+One `collage serve` (embedded broker, one CPU worker on queue "default") for the module: a finished run written to
+its store (the basis of queue estimates), then a long run that keeps the worker busy while the tests look at it,
+cancelled before the launch tests.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The rollouts page and the samples API (issue 13): dataset columns from the trainer to the page and the exports,
-per-reward-function sorts and filters with keyset paging on SQLite and PostgreSQL, the dataset row and group
-filters, and the page in a real browser: live rows, URL state, the gallery, the group view, field errors.
-"""
+"""The rollouts page (issue 13) in a real browser against a real `collage serve`: live rows of a running run with
+their dataset columns, filters and sort kept in the URL through a reload, a sort by one reward function from its
+header, the gallery's keys and the group view, and a bad filter value's API message next to its field."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The REST API and the store, through httpx against the real app on SQLite and on PostgreSQL."""
+"""Dataset check and preview through the REST API, answered by the real dataset helper process, on SQLite and
+PostgreSQL; `collage db upgrade` and `collage token create` run as processes (a token only once the database is
+migrated); and a fresh interpreter that imports the web app loads none of the training stack."""
 
 from __future__ import annotations
 

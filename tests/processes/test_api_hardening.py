@@ -1,6 +1,6 @@
-"""The API tried as an attacker with an ordinary member token would, on SQLite and PostgreSQL, through a real server
-where it matters: streams end when their token or session does, one delete of a run wins, input patterns match
-whole values, tracebacks reach admins only, cookie writes come from this site, and private answers are not cached."""
+"""A failing run's error as a member sees it, with a real training process (`collage.worker.child`) on SQLite and
+PostgreSQL: its reward raises, run.error is one line for everyone, and the traceback is in the process's log and
+in ``error_detail`` for admins only."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Datasets as users have them: TRL's formats (built locally with `datasets`), a Hub snapshot folder, column maps
-and prompt templates, CSV, images converted as the processors convert them, and the bad inputs around them."""
+"""Datasets as users have them, through the API on SQLite and PostgreSQL and the real dataset helper process: the
+preview guesses a column map and renders mapped prompts, and a submit with missing columns, a bad prompt template
+or no usable row is refused before a run exists."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""`collage data check`: every failure kind named by row, the summary line, and the exit code."""
+"""`collage models build-tiny`, `collage data synth` and `collage data check` as a user runs them, each a process of
+its own: a tiny model and a synthetic dataset built, the dataset checked against the model, and a second build
+into the same folder refused."""
 
 from __future__ import annotations
 

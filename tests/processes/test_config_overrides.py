@@ -1,4 +1,5 @@
-"""Overrides that pick a list item (`--set rewards[0].weight=2`), and errors that name the value a `--set` gave."""
+"""A bad `--set` value that picks a list item, as `collage train` run as a process reports it: exit code 2 and one
+line naming the key and the value the `--set` gave."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Operations (issue 13): the workers list and page, queue position and estimate, editing a run's tags and notes,
-the launch form's GPU default, and the launch preview (the dataset helper, synth rows with image markers).
-
-One `collage serve` (embedded broker, one CPU worker on queue "default") for the module: a short run that
-succeeds (the basis of queue estimates), then a long run that keeps the worker busy while the tests look at it,
-cancelled at the end.
-"""
+"""Operations (issue 13) with real processes: a worker's GPU probe reads a stand-in nvidia-smi and never fails, the
+dataset helper process starts again after dying and after a timeout, and the client's values reach it as data
+(JSON fields of a request, on SQLite and PostgreSQL), never as arguments."""
 
 from __future__ import annotations
 

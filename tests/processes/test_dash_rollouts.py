@@ -1,7 +1,6 @@
-"""The rollouts page and the samples API (issue 13): dataset columns from the trainer to the page and the exports,
-per-reward-function sorts and filters with keyset paging on SQLite and PostgreSQL, the dataset row and group
-filters, and the page in a real browser: live rows, URL state, the gallery, the group view, field errors.
-"""
+"""A rollout row's dataset columns (issue 13) on their way out of the trainer: into the output folder's
+samples.jsonl and into the worker's store callback rows, and a row pickled before rows had columns still
+serialises."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The data door (issue 17): image paths inside dataset rows stay under the operator's data roots, images open only
-in raster formats (Ghostscript never runs), previews are bounded in work and in output, and dataset requests
-never take the API down with them.
-
-Through the real parts: the loader on real files, the real API with the real dataset helper (a child process),
-the trainer with a tiny model, and ``collage data check`` as a subprocess.
-"""
+"""The data door (issue 17) with real processes: ``collage data check`` as a subprocess and the API's preview and check
+through the real dataset helper (a child process), on SQLite and PostgreSQL, never run Ghostscript, refuse images
+outside the operator's data roots, stop at their time, image and byte bounds, and limit each token's requests in
+flight; waiting previews never hang the API behind a real uvicorn server."""
 
 from __future__ import annotations
 
@@ -252,7 +249,7 @@ def _gate_total(app) -> int:
 
 def test_each_token_has_a_limit_of_dataset_requests_in_flight(api, tmp_path):
     client, _, _, app = api
-    app.state.settings = dataclasses.replace(app.state.settings, dataset_per_user=1, preview_timeout=300)
+    app.state.settings = dataclasses.replace(app.state.settings, dataset_per_user=1, preview_timeout=scaled(300))
     stuck = Stuck(tmp_path / "stuck")
     alice, bob = (
         {"Authorization": f"Bearer {t}"} for t in _tokens(app, 2)
@@ -309,7 +306,7 @@ def test_waiting_previews_never_hang_the_api(api, tmp_path):
 
     _, admin, _, app = api
     app.state.settings = dataclasses.replace(
-        app.state.settings, dataset_per_user=1, dataset_queue=8, preview_timeout=300
+        app.state.settings, dataset_per_user=1, dataset_queue=8, preview_timeout=scaled(300)
     )
     stuck = Stuck(tmp_path / "stuck")
     tokens = _tokens(app, 45)

@@ -1,8 +1,5 @@
-"""Held-out evaluation during training (docs/training.md, Evaluation), end to end on tiny models that see their
-images and synthetic multi-image data (CPU): the logged metrics against a recomputation from the stored eval
-rollouts, held-out rows never in a training batch, greedy determinism and an untouched training stream, cancel
-during an evaluation, resume without repeating one, several processes; plus the pure parts (metrics, held-out
-data) and the trust check of the new dataset keys."""
+"""Held-out evaluation over several processes (docs/training.md, Evaluation): a two-process `collage train` run
+(accelerate, gloo on CPU) splits the evaluation and logs the metrics and rows that one process logs."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Export jobs: the routes (``POST /runs/{id}/exports``, ``GET /exports/{id}``, its download and cancel) on SQLite and
-PostgreSQL with the dispatcher's test double, and the worker's handler (``worker/export_job.py``) run as a worker runs
-it, with its real export process, on real checkpoints: the export loads and gives the checkpoint's logits, a cancel
-stops it and leaves no files, a token keeps its newest export, a vanished or misplaced checkpoint fails clearly."""
+"""Export jobs run as a worker runs them (``worker/export_job.py``), with their real export process, on real
+checkpoints and SQLite: the export loads and gives the checkpoint's logits, a cancel stops it at once and leaves no
+files, and a token keeps its newest export while the older download says why it is gone."""
 
 from __future__ import annotations
 

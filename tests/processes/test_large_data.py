@@ -1,6 +1,6 @@
-"""Large datasets: a split is read on demand (parquet a row group at a time, JSONL by line offsets), the data side's
-memory does not grow with the row count, and a sample check draws the same rows as a full one, checking the
-others when a batch draws them (bench/large_dataset.py measures a million rows)."""
+"""Large datasets: the data side's memory, measured in a process of its own, does not grow with the row count
+(bench/large_dataset.py measures a million rows), and the preview shows 200 rows while a check of a big split
+samples it, through the API on SQLite and PostgreSQL and the real dataset helper process."""
 
 from __future__ import annotations
 

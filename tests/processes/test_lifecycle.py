@@ -1,5 +1,7 @@
-"""The run lifecycle in the store, on SQLite and PostgreSQL: one conditional transition for every status
-change, attempt-guarded writes, and writes that survive a dropped database connection."""
+"""The run lifecycle under a worker's supervisor, with real child processes and a reaper beside them, on SQLite and
+PostgreSQL: the supervisor beats for a child that starts slowly (or is slow to start after its claim) until the
+child's own heartbeat takes over, the real training child loads torch and transformers before that, and a child
+that hangs or freezes inside a store write is reaped and killed so that its end can be written."""
 
 from __future__ import annotations
 

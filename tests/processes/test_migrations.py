@@ -1,5 +1,5 @@
-"""The migrations and the table models stay in step, and 0007 (eval rows, checkpoint details, jobs, uploads) keeps
-what an older store held, on SQLite and PostgreSQL."""
+"""Migrations run by several processes at once (web replicas starting) on one empty PostgreSQL store: the advisory lock
+lets one migrate while the others find the newest revision, and every process starts."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Artifacts on object storage (collage.training.objectstore) against a real S3 server (SeaweedFS): single
+"""Artifacts on object storage (collage.training.objectstore) against the suite's real S3 server (SeaweedFS): single
 objects written once, folders visible only with their manifest, fetches checked against it, bad manifests refused,
-an unreachable server reported by name after the retry window."""
+removed folders gone for readers at once, the local cache kept under its bound, and an unreachable server reported
+by name after the retry window."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The playground's routes on the real app and store (SQLite and PostgreSQL): image uploads (formats, size, pixel
-and quota bounds, metadata stripped), and the validation, resolution, queueing, visibility and cancel of
-generations. The worker side is in tests/test_playground_worker.py, the page in tests/test_dash_playground.py."""
+"""The playground stays torch-free outside its own process: a fresh interpreter that imports its routes, its uploads
+store and the worker's job handler loads none of the training stack."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The playground's worker side with real parts: generations queued through the API, run by the worker's job
+"""The playground's worker side with real parts: generations queued through the API on SQLite, run by the worker's job
 handler in its real playground process, on real tiny models and real checkpoints (a LoRA adapter on its base, the
 same adapter merged into a full checkpoint), with images from the store that the model sees; the run's rewards
-with the worker's allowlist; cancel at the next token; clear failures; the idle timeout."""
+with the worker's allowlist; cancel at the next token; clear failures; the idle timeout; the process ending with its
+worker; temperature zero as greedy decoding."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Checkpoint retention (``train.save_total_limit``) and the best checkpoint (``metric_for_best_model``): the pure
-choice of what to delete, checkpoints of earlier worker attempts (links) counted and deleted with their folders,
-and the store (real SQLite and PostgreSQL, through the worker's StoreCallback) ending with exactly the kept rows."""
+"""The choice of which checkpoint is best (``collage.training.retention``) is torch-free for the API: a fresh
+interpreter imports it without torch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The API when the store misbehaves, and text the store cannot hold, on SQLite and PostgreSQL with real faults: a
-second process frozen inside a SQLite write transaction, PostgreSQL backends terminated under the app, a database
-that refuses connections, NUL bytes in what a run writes."""
+"""The API when the store misbehaves, with real processes: a second process frozen inside a SQLite write transaction
+leaves reads working and writes answered 503, another engine on an open SQLite store leaves the process's locks
+alone, and a real training step (the worker's child process) on data with NUL bytes succeeds on SQLite and
+PostgreSQL."""
 
 from __future__ import annotations
 

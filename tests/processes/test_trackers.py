@@ -1,8 +1,10 @@
 """Mirroring runs to trackio and Weights & Biases (``logging.report_to``; worker/trackers.py).
 
 Both trackers run for real and locally: trackio writes its SQLite store under ``TRACKIO_DIR``, W&B runs in offline
-mode under ``WANDB_DIR``; the tests read back what each stored. One run goes through the whole worker
-(``collage serve``), the rest drive the callback directly with rollout rows carrying real images."""
+mode under ``WANDB_DIR`` (its own service a process of its own); the tests read back what each stored. One run goes
+through the whole worker (``collage serve``), the other drives the callback directly with rollout rows carrying
+real images.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The training core end to end on tiny models and synthetic multi-image data (CPU)."""
+"""The training core end to end as processes, on tiny models and synthetic multi-image data (CPU): `collage train` on
+the example config with its refusals, and a two-process DDP run through accelerate (gloo on CPU) that keeps its
+replicas identical."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The trust model (docs/security.md): API clients choose neither the code a worker runs nor the files it reads.
 
-Through the real app (SQLite and PostgreSQL) and the real resolver; the api fixture allowlists
-tests.support.rewards and its COLLAGE_HOME (the default root) is the test's tmp_path.
+Through the real app (SQLite and PostgreSQL) and the real dataset helper process: paths inside the roots are
+accepted, operator roots replace the default, and relative names are Hub ids, never files on the server. The api
+fixture allowlists tests.support.rewards and its COLLAGE_HOME (the default root) is the test's tmp_path.
 """
 
 from __future__ import annotations

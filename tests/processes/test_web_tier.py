@@ -1,7 +1,6 @@
-"""The shape of the web tier, checked on the source and on a live app: routes take what they need through the typed
-aliases of ``app/deps.py`` (never ``request.app.state``), leave SQL to ``app/store/``, never open a store session
-of their own, and do a request's reads and writes in its one session; only ``app/settings.py`` reads configuration
-from the environment; no function in ``app/`` grows past 80 lines."""
+"""The shape of the web tier at start-up: `collage serve`, in a process of its own, freezes its start-up heap out of
+the cyclic collector's reach before it answers (its full collections were the SQLite metrics route's p95,
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 

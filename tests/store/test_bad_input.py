@@ -1,7 +1,8 @@
 """Crafted bad input: every case is a 4xx naming the field, never a 500 or a hang (issue "0 5xx on bad input").
 
-Each API test runs against the real app on SQLite and on PostgreSQL (the ``api`` fixture); the schemathesis fuzz
-in test_api_fuzz.py covers what generators find, these cases cover what they are unlikely to generate.
+Each test runs against the real app on SQLite and on PostgreSQL (the ``api`` fixture); the schemathesis fuzz in
+test_api_fuzz.py covers what generators find, these cases cover what they are unlikely to generate. Also: signed
+cursors, CSV cells neutralised, concurrent exports past their limit, and a pool connection for every server thread.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Overrides that pick a list item (`--set rewards[0].weight=2`), and errors that name the value a `--set` gave."""
+"""Overrides that pick a list item in the API's clone (``rewards[1].weight``), on SQLite and PostgreSQL through the
+in-process app: the clone's config has the new weight, and an index past the list is a 422 naming it."""
 
 from __future__ import annotations
 

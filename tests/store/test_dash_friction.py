@@ -1,8 +1,5 @@
-"""A new user's friction on the dashboard (issue 17, items 18-21), in a real browser against a real `collage serve`:
-a chart's drag-zoom through live steps, the rollouts' filtered total and their layout at 1400 and 390 px, the
-compare page's shared prompt and config differences, what a member may not do (said before, not after), a clone's
-parent, and a queued run's place in the runs list. Plus the count route on SQLite and PostgreSQL.
-"""
+"""The rollouts' count route (issue 17, items 18-21), on SQLite and PostgreSQL through the in-process app: it matches
+every filter of the rollouts table, stops at its cap, and names a bad filter (422) or an unknown run (404)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The dashboard's look: dark scheme and its toggle, 390 px screens, visible keyboard focus, the API docs offline,
-the documented curl quick-start run as written, and `collage submit` printing the run's dashboard page.
-
-One run for the whole module: the JSON config of docs/api.md's quick start, submitted by its curl commands.
-"""
+"""The JSON config of docs/api.md's quick start is accepted as written, on SQLite and PostgreSQL through the
+in-process app: the run is created with its name, steps and rewards, and dispatched once to the default queue."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The rollouts page and the samples API (issue 13): dataset columns from the trainer to the page and the exports,
-per-reward-function sorts and filters with keyset paging on SQLite and PostgreSQL, the dataset row and group
-filters, and the page in a real browser: live rows, URL state, the gallery, the group view, field errors.
-"""
+"""The samples API of the rollouts page (issue 13), on SQLite and PostgreSQL through the in-process app: sorts and
+filters by each reward function with keyset paging, the dataset row and group filters, unknown names and bad values
+as 422s naming the parameter, and dataset columns in the rows and in every export format."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Held-out evaluation during training (docs/training.md, Evaluation), end to end on tiny models that see their
-images and synthetic multi-image data (CPU): the logged metrics against a recomputation from the stored eval
-rollouts, held-out rows never in a training batch, greedy determinism and an untouched training stream, cancel
-during an evaluation, resume without repeating one, several processes; plus the pure parts (metrics, held-out
-data) and the trust check of the new dataset keys."""
+"""The trust check of the held-out dataset keys (docs/training.md, Evaluation), on SQLite and PostgreSQL through the
+in-process app: an ``eval_source`` outside the data roots and an ``eval_split`` that is a path are refused at submit
+and by the worker's check, as ``dataset.source`` is."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The run lifecycle in the store, on SQLite and PostgreSQL: one conditional transition for every status
-change, attempt-guarded writes, and writes that survive a dropped database connection."""
+"""The run lifecycle in the store, on SQLite and PostgreSQL: one conditional transition for every status change,
+attempt-guarded writes, concurrent resumes through the in-process app that make one new attempt, and writes that
+survive a dropped database connection."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The migrations and the table models stay in step, and 0007 (eval rows, checkpoint details, jobs, uploads) keeps
-what an older store held, on SQLite and PostgreSQL."""
+what an older store held, on SQLite and PostgreSQL; on PostgreSQL, 0009 moves the text search indexes under the
+run id and its downgrade brings the old ones back."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The playground's routes on the real app and store (SQLite and PostgreSQL): image uploads (formats, size, pixel
-and quota bounds, metadata stripped), and the validation, resolution, queueing, visibility and cancel of
-generations. The worker side is in tests/test_playground_worker.py, the page in tests/test_dash_playground.py."""
+"""The playground's routes on the real app in-process and the store (SQLite and PostgreSQL): image uploads (formats,
+size, pixel and quota bounds, metadata stripped), and the validation, resolution, queueing, visibility and cancel of
+generations. The worker side is in tests/processes/test_playground_worker.py, the page in
+tests/browser/test_dash_playground.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Tokens with roles, one-time login links, server-side sessions, browser hardening and /health, on SQLite
-and PostgreSQL: tried as an attacker with an ordinary (member) token would."""
+"""Tokens with roles, one-time login links, server-side sessions, browser hardening and /health, on SQLite and
+PostgreSQL through the in-process app: tried as an attacker with an ordinary (member) token would, code gadgets
+included."""
 
 from __future__ import annotations
 

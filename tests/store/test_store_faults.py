@@ -1,6 +1,6 @@
-"""The API when the store misbehaves, and text the store cannot hold, on SQLite and PostgreSQL with real faults: a
-second process frozen inside a SQLite write transaction, PostgreSQL backends terminated under the app, a database
-that refuses connections, NUL bytes in what a run writes."""
+"""The API when the store misbehaves, and text the store cannot hold, on SQLite and PostgreSQL through the in-process
+app with real faults: PostgreSQL backends terminated under the app, a database that refuses connections (503 with
+Retry-After), NUL bytes in what a run writes, and a token's last use noted off the request at most once a minute."""
 
 from __future__ import annotations
 

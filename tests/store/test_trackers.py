@@ -1,8 +1,6 @@
-"""Mirroring runs to trackio and Weights & Biases (``logging.report_to``; worker/trackers.py).
-
-Both trackers run for real and locally: trackio writes its SQLite store under ``TRACKIO_DIR``, W&B runs in offline
-mode under ``WANDB_DIR``; the tests read back what each stored. One run goes through the whole worker
-(``collage serve``), the rest drive the callback directly with rollout rows carrying real images."""
+"""Mirroring runs to trackio and Weights & Biases (``logging.report_to``; worker/trackers.py): a failing tracker warns
+once and stops while the other, trackio for real and locally (its SQLite store under ``TRACKIO_DIR``), stores every
+step."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The shape of the web tier, checked on the source and on a live app: routes take what they need through the typed
-aliases of ``app/deps.py`` (never ``request.app.state``), leave SQL to ``app/store/``, never open a store session
-of their own, and do a request's reads and writes in its one session; only ``app/settings.py`` reads configuration
-from the environment; no function in ``app/`` grows past 80 lines."""
+"""The shape of the web tier on a live app, on SQLite and PostgreSQL through the in-process app: a run is edited,
+cancelled and resumed with a request's reads and writes in its one store session, and the settings a route sees
+are the app's of the moment."""
 
 from __future__ import annotations
 

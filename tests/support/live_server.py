@@ -6,11 +6,12 @@ from __future__ import annotations
 import re
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+
+from .waiting import scaled, wait_for
 
 
 @contextmanager
@@ -27,21 +28,19 @@ def serving(app) -> Iterator[str]:
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="test-uvicorn")
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.02)
+    wait_for(lambda: server.started, "the test server to start", interval=0.02,
+             gone=lambda: None if thread.is_alive() else "its thread ended")  # fmt: skip
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        thread.join(30)
+        thread.join(scaled(30))
         sock.close()
 
 
 def browser_login(base: str, token: str) -> httpx.Client:
     """An httpx client logged in through the login form, as a browser is (its session cookie in the jar)."""
-    client = httpx.Client(base_url=base, timeout=30)
+    client = httpx.Client(base_url=base, timeout=scaled(30))
     page = client.get("/login")
     match = re.search(r'name="csrf_token" value="([^"]+)"', page.text)
     assert match, page.text[:500]

@@ -35,7 +35,7 @@ def postgres_unavailable() -> str | None:
     try:
         import psycopg
 
-        with psycopg.connect(PG_ADMIN_URL.replace("+psycopg", ""), connect_timeout=3):
+        with psycopg.connect(PG_ADMIN_URL.replace("+psycopg", ""), connect_timeout=round(scaled(3))):
             return None
     except Exception as exc:  # noqa: BLE001
         return f"PostgreSQL at {PG_ADMIN_URL} is not reachable ({type(exc).__name__}: {exc})"

@@ -1,4 +1,6 @@
-"""The multi-image batch path on every tiny family: mixed batches, shuffles, micro-batches, truncation."""
+"""The multi-image batch path on every tiny family, with tiny models in-process: log-probs and greedy generation of a
+row in shuffled mixed batches and micro-batches equal the row alone (with the canary), text-only micro-batches,
+truncation that keeps every image token, and generated image tokens never fed back as images."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Datasets as users have them: TRL's formats (built locally with `datasets`), a Hub snapshot folder, column maps
-and prompt templates, CSV, images converted as the processors convert them, and the bad inputs around them."""
+"""Datasets as users have them, trained on for two steps with a tiny model in-process: TRL's formats with image
+features (built locally with `datasets`), a Hub snapshot folder by config and split, and a corrupt image that
+names its row while the others train; every trained row carries its own images."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`collage data check`: every failure kind named by row, the summary line, and the exit code."""
+"""`collage data check` against a tiny model's processor, in-process: rows whose image tokens alone exceed
+max_prompt_length are named, image tokens per row are counted, and the CLI's output, summary line and exit codes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""A run's checkpoints over the REST API, on SQLite and PostgreSQL, with real checkpoints of Collage's trainer placed
-where a worker writes them: the list and its best checkpoint, the streamed tar of a model folder (round trip byte for
-byte, memory bounded), and everything an attacker with a member token might try (unknown steps, a run without
-checkpoints, a link out of the checkpoint, a store row naming another folder, too many downloads at once)."""
+"""A run's checkpoints over the REST API, on SQLite and PostgreSQL, with real checkpoints that Collage's trainer
+writes with a tiny model in-process, placed where a worker writes them: the list and its best checkpoint, the
+streamed tar of a model folder (round trip byte for byte, memory bounded), and everything an attacker with a member
+token might try (unknown steps, a run without checkpoints, a link out of the checkpoint, a store row naming another
+folder, too many downloads at once)."""
 
 from __future__ import annotations
 

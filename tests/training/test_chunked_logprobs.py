@@ -1,5 +1,6 @@
 """Chunked log-probs and entropies (hidden states through the LM head a chunk at a time) equal the full-logits
-computation, in values and in gradients, on tiny families."""
+computation, in values and in gradients, on every tiny family in-process; entropy without its gradient, the no-grad
+path, and the LM head restored when the forward fails."""
 
 from __future__ import annotations
 

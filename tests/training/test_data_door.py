@@ -1,10 +1,5 @@
-"""The data door (issue 17): image paths inside dataset rows stay under the operator's data roots, images open only
-in raster formats (Ghostscript never runs), previews are bounded in work and in output, and dataset requests
-never take the API down with them.
-
-Through the real parts: the loader on real files, the real API with the real dataset helper (a child process),
-the trainer with a tiny model, and ``collage data check`` as a subprocess.
-"""
+"""The data door (issue 17) in the trainer with a tiny model: a training run refuses rows whose images lie outside
+the operator's data roots, naming the rows and never the outside path."""
 
 from __future__ import annotations
 

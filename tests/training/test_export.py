@@ -1,8 +1,8 @@
-"""``training/export.py``: real checkpoints of Collage's trainer (full fine-tune and LoRA) exported as plain transformers
-folders, loaded back with ``AutoModelForImageTextToText`` / ``AutoProcessor`` as a user would, and run on a two-image
-prompt: the export's logits are the checkpoint's (merged LoRA within 1e-4 of the adapter), the model sees the images,
-and it generates. Bad exports (an ``--out`` in use, a merge of a full model, a link inside the checkpoint, a failure
-half way) leave nothing behind."""
+"""``training/export.py``, in-process: real checkpoints of Collage's trainer on a tiny model (full fine-tune and LoRA)
+exported as plain transformers folders, loaded back with ``AutoModelForImageTextToText`` / ``AutoProcessor`` as a
+user would, and run on a two-image prompt: the export's logits are the checkpoint's (merged LoRA within 1e-4 of the
+adapter), the model sees the images, and it generates. Bad exports (an ``--out`` in use, a merge of a full model, a
+link inside the checkpoint, a failure half way) leave nothing behind."""
 
 from __future__ import annotations
 

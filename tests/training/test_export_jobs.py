@@ -1,7 +1,7 @@
-"""Export jobs: the routes (``POST /runs/{id}/exports``, ``GET /exports/{id}``, its download and cancel) on SQLite and
-PostgreSQL with the dispatcher's test double, and the worker's handler (``worker/export_job.py``) run as a worker runs
-it, with its real export process, on real checkpoints: the export loads and gives the checkpoint's logits, a cancel
-stops it and leaves no files, a token keeps its newest export, a vanished or misplaced checkpoint fails clearly."""
+"""Export jobs' routes (``POST /runs/{id}/exports``, ``GET /exports/{id}``, its download and cancel), on SQLite and
+PostgreSQL through the in-process app with the dispatcher's test double, on real checkpoints of a tiny model: the
+job is queued on the run's queue and reported, one export in flight per token, refusals with their reason, a broker
+failure answered 503, and a vanished or misplaced checkpoint failing the job clearly on the worker's handler."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Qwen3-VL, Gemma 3, LLaVA-OneVision, InternVL and SmolVLM: each built through `collage models build-tiny` with its
-processor's shipped defaults, fed by the batch path exactly what its own processor feeds the model, its tiles kept
-with their row, its rewards seeing their row's images, and trained end to end by `collage train` on mixed data.
+"""Qwen3-VL, Gemma 3, LLaVA-OneVision, InternVL and SmolVLM as tiny models in-process: each built through `collage
+models build-tiny` with its processor's shipped defaults, fed by the batch path exactly what its own processor
+feeds the model (its family extras from the padded batch), and Gemma 3's pan-and-scan crops kept with their row.
 
 The mixed-batch equality (a row inside a shuffled batch of 0..5-image rows of different sizes = the row alone) runs
-for these families in tests/test_batching.py, which is parametrized over every tiny family.
+for these families in tests/training/test_batching.py, which is parametrized over every tiny family.
 """
 
 from __future__ import annotations

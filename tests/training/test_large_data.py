@@ -1,6 +1,6 @@
-"""Large datasets: a split is read on demand (parquet a row group at a time, JSONL by line offsets), the data side's
-memory does not grow with the row count, and a sample check draws the same rows as a full one, checking the
-others when a batch draws them (bench/large_dataset.py measures a million rows)."""
+"""Large datasets in the trainer with a tiny model: a sample check draws the same rows as a full one and checks the
+others when a batch draws them (a bad one replaced, the same on resume, or failing the run with ``bad_rows:
+fail``), ``auto`` checks a small split whole and a big one by sample, and a bad held-out row fails the run."""
 
 from __future__ import annotations
 

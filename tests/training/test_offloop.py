@@ -1,4 +1,6 @@
-"""Off the training loop: the background writer, dataset image hashes in rollout rows, the data check cache."""
+"""Off the training loop, in the trainer with a tiny model: a callback whose background writer failed still lets every
+other callback hear the failure and the end, rollout rows carry the dataset images' own hashes, and the data check
+is cached per dataset fingerprint."""
 
 from __future__ import annotations
 

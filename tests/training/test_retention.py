@@ -1,6 +1,7 @@
-"""Checkpoint retention (``train.save_total_limit``) and the best checkpoint (``metric_for_best_model``): the pure
-choice of what to delete, checkpoints of earlier worker attempts (links) counted and deleted with their folders,
-and the store (real SQLite and PostgreSQL, through the worker's StoreCallback) ending with exactly the kept rows."""
+"""Checkpoint retention (``train.save_total_limit``) and the best checkpoint (``metric_for_best_model``) in the
+trainer with a tiny model: across two worker attempts (links to the first's checkpoints), the folders and the store
+(real SQLite and PostgreSQL, through the worker's StoreCallback) end with exactly the kept checkpoints, and the best
+by an evaluation metric outlives newer ones."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The rollout engine on every tiny family: each prompt prefilled once and forked to its group, each distinct
-sample's vision features computed once and reused, with the same samples and the same log-probs as the plain
-path."""
+"""The rollout engine on every tiny family, in-process: each prompt prefilled once and forked to its group, each
+distinct sample's vision features computed once and reused, each distinct prompt run once, and bucketed, trimmed
+micro-batches, all with the same samples, log-probs and gradients as the plain path; and the images a run's vision
+tower encodes, logged per step."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Tiny VLMs: built offline, reloaded through the Auto classes, chat templates render images the family's way."""
+"""Tiny VLMs, in-process: built offline, reloaded through the Auto classes, chat templates render images the family's
+way, no all-zero weights between the pixels and the logits (the model sees its images), generation stops at the end
+of a turn; ``tiny:`` models built once and cached, and a processor without its image processor refused."""
 
 from __future__ import annotations
 

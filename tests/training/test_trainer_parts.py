@@ -1,6 +1,7 @@
-"""The trainer's collaborators, each on its own with a real tiny model: the data order (training.data_order), the
-model passes (training.forward_passes), rollouts (training.rollout), the optimisation step (training.optimization)
-and checkpointing (training.checkpointing). The end-to-end runs that put them together are tests/test_training.py's."""
+"""The trainer's collaborators, each on its own with a real tiny model in-process: the data order's redraws
+(training.data_order), the model passes (training.forward_passes), rollouts (training.rollout), the optimisation
+step and the synchronised reference (training.optimization) and checkpointing (training.checkpointing). The
+end-to-end runs that put them together are tests/training/test_training.py's."""
 
 from __future__ import annotations
 

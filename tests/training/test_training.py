@@ -1,4 +1,6 @@
-"""The training core end to end on tiny models and synthetic multi-image data (CPU)."""
+"""The training core end to end on tiny models in-process and synthetic multi-image data (CPU): the output folder and
+its metrics, groups, advantages and rewards (None, async, columns, text reward models), determinism, cancel and
+resume, the reward rising on a learnable task, what trains and what stays frozen, and refusals before training."""
 
 from __future__ import annotations
 

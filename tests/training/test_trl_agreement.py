@@ -1,4 +1,4 @@
-"""Collage's advantages, losses, metrics and options agree with TRL's own trainers on the same model and batch.
+"""Collage's advantages, losses and metrics agree with TRL's own trainers on the same tiny model and batch, in-process.
 
 TRL (dev extra only; ``training/`` never imports it) prepares a generation batch through its real
 ``_generate_and_score_completions`` (generation itself replaced by fixed completions, so both sides see the
@@ -15,8 +15,6 @@ every parameter's gradient, and the logged metrics):
 - ``gradient_accumulation_steps > 1`` with ``steps_per_generation > 1`` through TRL's own ``_prepare_inputs``
   (shuffle, split, buffer): each micro-batch's loss and each accumulation window's gradient;
 - ``sync_ref_model`` against TRL's ``SyncRefModelCallback``;
-- the option surface: every loss/algorithm key has TRL's name and default, and keys of one algorithm are refused
-  for the other;
 
 and, without TRL, Collage's trainer end to end: its shuffle and micro-batch slicing keep every row's advantage,
 old and reference log-probs and pixels with it (checked against a per-sample recomputation).

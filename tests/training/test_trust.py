@@ -1,6 +1,8 @@
 """The trust model (docs/security.md): API clients choose neither the code a worker runs nor the files it reads.
 
-Through the real app (SQLite and PostgreSQL) and the real resolver; the api fixture allowlists
+Through the real app (SQLite and PostgreSQL), the worker's check and the trainer with a tiny model: the trainer
+enforces the allowlist at import, ``config_violations`` is the worker's check, and paths outside the roots (or a
+split leaving its dataset folder) are refused alike whether they exist or not. The api fixture allowlists
 tests.support.rewards and its COLLAGE_HOME (the default root) is the test's tmp_path.
 """
 

@@ -1,6 +1,5 @@
-"""The API tried as an attacker with an ordinary member token would, on SQLite and PostgreSQL, through a real server
-where it matters: streams end when their token or session does, one delete of a run wins, input patterns match
-whole values, tracebacks reach admins only, cookie writes come from this site, and private answers are not cached."""
+"""The public line of an error (``split_traceback``, ``public_error``): what was raised, also for chained,
+multi-line and syntax errors, and a refusal without a traceback kept whole."""
 
 from __future__ import annotations
 

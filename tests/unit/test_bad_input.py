@@ -1,8 +1,5 @@
-"""Crafted bad input: every case is a 4xx naming the field, never a 500 or a hang (issue "0 5xx on bad input").
-
-Each API test runs against the real app on SQLite and on PostgreSQL (the ``api`` fixture); the schemathesis fuzz
-in test_api_fuzz.py covers what generators find, these cases cover what they are unlikely to generate.
-"""
+"""The edges of bad input that need no store: every config maximum is itself accepted (a negative seed is refused,
+naming the field), and only stale temp folders of the synthetic dataset cache are cleaned."""
 
 from __future__ import annotations
 

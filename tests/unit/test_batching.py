@@ -1,4 +1,5 @@
-"""The multi-image batch path on every tiny family: mixed batches, shuffles, micro-batches, truncation."""
+"""Prompt truncation on token ids alone: ``truncate_text_only`` drops the oldest text and never an image token, and
+``image_span_mask`` counts tile-row separators inside an image span, not next to text."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Datasets as users have them: TRL's formats (built locally with `datasets`), a Hub snapshot folder, column maps
-and prompt templates, CSV, images converted as the processors convert them, and the bad inputs around them."""
+"""Datasets as users have them, read in-process: column maps and prompt templates, TRL's formats without a mapping,
+missing columns named, CSV with image path columns, images converted as the processors convert them (modes, EXIF
+orientation), and `collage data check` called in-process with a mapping, a sample and a fixed copy."""
 
 from __future__ import annotations
 

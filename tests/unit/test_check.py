@@ -1,4 +1,5 @@
-"""`collage data check`: every failure kind named by row, the summary line, and the exit code."""
+"""`collage data check` without a model: every failure kind named by row, a zero-size decoded image refused, and the
+JSON report and exit code of the CLI called in-process."""
 
 from __future__ import annotations
 

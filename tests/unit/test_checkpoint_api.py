@@ -1,7 +1,5 @@
-"""A run's checkpoints over the REST API, on SQLite and PostgreSQL, with real checkpoints of Collage's trainer placed
-where a worker writes them: the list and its best checkpoint, the streamed tar of a model folder (round trip byte for
-byte, memory bounded), and everything an attacker with a member token might try (unknown steps, a run without
-checkpoints, a link out of the checkpoint, a store row naming another folder, too many downloads at once)."""
+"""The streamed tar of a checkpoint folder (``tarstream``): a file swapped for a link to an outside file after the
+listing stops the stream before any byte of that file is sent."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Chunked log-probs and entropies (hidden states through the LM head a chunk at a time) equal the full-logits
-computation, in values and in gradients, on tiny families."""
+"""The chunked log-probs and entropies helper (hidden states through an LM head a chunk at a time) equals the
+full-logits computation on plain tensors, in values and in gradients; an empty completion and a bad chunk size."""
 
 from __future__ import annotations
 

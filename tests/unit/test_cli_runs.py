@@ -1,11 +1,5 @@
-"""The command line against a real `collage serve` (issue 17, items 17 and 22): serve records where it listens and
-the CLI defaults to it; `collage submit` waits for a serve whose embedded worker is still starting (the demo's false
-"no live worker" warning); `collage runs list | cancel | logs` with their errors and exit codes; and a terminal
-free of Hugging Face progress bars and of Celery's root warning.
-
-The serve here starts its embedded worker slowly on purpose (a `sitecustomize` delays `collage worker` by a few
-seconds, as a loaded machine does): the race the demo lost is then certain, not a matter of luck.
-"""
+"""The record `collage serve` leaves of where it listens (issue 17): a recycled pid is not taken for the serve, and the
+recorded URL is one a local client can use, whatever host the serve bound."""
 
 from __future__ import annotations
 

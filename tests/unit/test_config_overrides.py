@@ -1,4 +1,5 @@
-"""Overrides that pick a list item (`--set rewards[0].weight=2`), and errors that name the value a `--set` gave."""
+"""Overrides that pick a list item (`--set rewards[0].weight=2`), and errors that name the key, the list and the
+value a `--set` gave, through ``apply_overrides`` and ``load_config``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The dashboard's evaluation views (issue 18, section 1) in a real browser against a real `collage serve`: the run
-page's Evaluation section (eval/reward over the training reward, one chart of the eval reward per number of images)
-following a running run live, the compare page's eval overlays and chart filter, the runs table's latest and best
-eval reward, the rollouts page's split selector with its table, count, group view, gallery and exports, and the
-launch form's evaluation and checkpoint settings.
-
-The trainer's evaluation is built in parallel: these tests write eval metrics (`eval/*` keys in a step's metrics
-record) and eval rollout rows (`split="eval"`, each evaluation in a call of its own) straight into the server's
-store with `StoreWriter`, as the trainer's store callback will.
-"""
+"""The launch form's help for evaluation (issue 18, section 1): every evaluation and checkpoint key of ``train`` and
+``dataset`` has an entry, and each of TRL's keys is given with TRL's name."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Operations (issue 13): the workers list and page, queue position and estimate, editing a run's tags and notes,
-the launch form's GPU default, and the launch preview (the dataset helper, synth rows with image markers).
-
-One `collage serve` (embedded broker, one CPU worker on queue "default") for the module: a short run that
-succeeds (the basis of queue estimates), then a long run that keeps the worker busy while the tests look at it,
-cancelled at the end.
-"""
+"""Operations (issue 13) without a server: nvidia-smi's lines become a worker's GPU info, and the launch form's GPU
+default is what the live workers of the default queue have."""
 
 from __future__ import annotations
 

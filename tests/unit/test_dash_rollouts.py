@@ -1,7 +1,5 @@
-"""The rollouts page and the samples API (issue 13): dataset columns from the trainer to the page and the exports,
-per-reward-function sorts and filters with keyset paging on SQLite and PostgreSQL, the dataset row and group
-filters, and the page in a real browser: live rows, URL state, the gallery, the group view, field errors.
-"""
+"""A rollout row's dataset columns (issue 13): ``scalar_columns`` keeps scalars (numpy ones as Python values), cuts
+long text, and drops lists, mappings and non-finite numbers."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The data door (issue 17): image paths inside dataset rows stay under the operator's data roots, images open only
-in raster formats (Ghostscript never runs), previews are bounded in work and in output, and dataset requests
-never take the API down with them.
-
-Through the real parts: the loader on real files, the real API with the real dataset helper (a child process),
-the trainer with a tiny model, and ``collage data check`` as a subprocess.
-"""
+"""The data door (issue 17) in the loader on real files: image paths inside dataset rows stay under the operator's data
+roots (home-relative and Hub-style paths too), images open only in raster formats (PostScript and decompression
+bombs are row errors), Hub-style datasets never decode images themselves, and previews and limited loads are
+bounded in work and in output."""
 
 from __future__ import annotations
 

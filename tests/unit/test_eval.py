@@ -1,8 +1,6 @@
-"""Held-out evaluation during training (docs/training.md, Evaluation), end to end on tiny models that see their
-images and synthetic multi-image data (CPU): the logged metrics against a recomputation from the stored eval
-rollouts, held-out rows never in a training batch, greedy determinism and an untouched training stream, cancel
-during an evaluation, resume without repeating one, several processes; plus the pure parts (metrics, held-out
-data) and the trust check of the new dataset keys."""
+"""The pure parts of held-out evaluation (docs/training.md, Evaluation): the eval metrics and pass@k from scored
+completions, synthetic held-out rows from another seed and never a training row's content, and ``eval_fraction``
+rows that depend on the dataset seed only."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Qwen3-VL, Gemma 3, LLaVA-OneVision, InternVL and SmolVLM: each built through `collage models build-tiny` with its
-processor's shipped defaults, fed by the batch path exactly what its own processor feeds the model, its tiles kept
-with their row, its rewards seeing their row's images, and trained end to end by `collage train` on mixed data.
-
-The mixed-batch equality (a row inside a shuffled batch of 0..5-image rows of different sizes = the row alone) runs
-for these families in tests/test_batching.py, which is parametrized over every tiny family.
-"""
+"""Qwen3-VL, Gemma 3, LLaVA-OneVision, InternVL and SmolVLM without a model: each is a buildable tiny family found by
+its model type (SmolVLM apart from Idefics3), and a tiled family's tiles travel in image slots through join, split,
+select and slice."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Large datasets: a split is read on demand (parquet a row group at a time, JSONL by line offsets), the data side's
-memory does not grow with the row count, and a sample check draws the same rows as a full one, checking the
-others when a batch draws them (bench/large_dataset.py measures a million rows)."""
+"""Large datasets read on demand, on real files: a parquet split a row group at a time (shards of a split as one
+sequence, held-out and bad rows out as views by position), and a JSONL split by line offsets, a bad line staying a
+bad row."""
 
 from __future__ import annotations
 

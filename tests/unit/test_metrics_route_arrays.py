@@ -1,7 +1,5 @@
-"""``GET /runs/{id}/metrics`` after its rewrite for long runs (issue 21): the store reads the rollups as arrays,
-downsamples them vectorised and writes the JSON straight from them. Every answer must equal, point for point, what
-the plain definition gives (the reference below, the route's algorithm written out over the raw points), on SQLite
-and on PostgreSQL; new points must show at once."""
+"""The JSON of ``GET /runs/{id}/metrics`` written straight from arrays (issue 21): ``series_json`` gives exactly what
+orjson writes for the lists of points, non-finite values as null, and the rollups give the same points."""
 
 from __future__ import annotations
 

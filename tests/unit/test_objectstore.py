@@ -1,6 +1,6 @@
-"""Artifacts on object storage (collage.training.objectstore) against a real S3 server (SeaweedFS): single
-objects written once, folders visible only with their manifest, fetches checked against it, bad manifests refused,
-an unreachable server reported by name after the retry window."""
+"""Artifacts on object storage (collage.training.objectstore) without a server: S3 URLs parsed and bad ones named, a
+cache folder per bucket and prefix, transient faults told from lasting ones through boto3's wrappers, and a missing
+boto3 naming the extra to install."""
 
 from __future__ import annotations
 

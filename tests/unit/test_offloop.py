@@ -1,4 +1,6 @@
-"""Off the training loop: the background writer, dataset image hashes in rollout rows, the data check cache."""
+"""Off the training loop, on threads alone: the background writer (bounded, failing once and for all, draining on
+close), the worker's store callback keeping the order of writes and ending the process on a stale attempt, and a
+rollout row's in-memory image encoded lazily."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""One installable namespace: every package folder ships under ``collage.*``, nothing generic is importable,
-one version string, and a missing extra is named in one line. (scripts/wheel_smoke.sh builds the wheel and
-installs it into fresh environments; these tests cover what the development install can show.)"""
+"""One installable namespace, checked on pyproject.toml and the source folders: every package folder ships under
+``collage.*``. (scripts/wheel_smoke.sh builds the wheel and installs it into fresh environments.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The playground's routes on the real app and store (SQLite and PostgreSQL): image uploads (formats, size, pixel
-and quota bounds, metadata stripped), and the validation, resolution, queueing, visibility and cancel of
-generations. The worker side is in tests/test_playground_worker.py, the page in tests/test_dash_playground.py."""
+"""The playground's prompts (``prompt_conversation``): images placed at their ``[image N]`` markers or before the
+text, and markers that do not match the images refused with the reason."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The playground's worker side with real parts: generations queued through the API, run by the worker's job
-handler in its real playground process, on real tiny models and real checkpoints (a LoRA adapter on its base, the
-same adapter merged into a full checkpoint), with images from the store that the model sees; the run's rewards
-with the worker's allowlist; cancel at the next token; clear failures; the idle timeout."""
+"""The playground process's answer to running out of memory, without a model: out of GPU or host memory is one clear
+message, and every loaded model is unloaded."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Checkpoint retention (``train.save_total_limit``) and the best checkpoint (``metric_for_best_model``): the pure
-choice of what to delete, checkpoints of earlier worker attempts (links) counted and deleted with their folders,
-and the store (real SQLite and PostgreSQL, through the worker's StoreCallback) ending with exactly the kept rows."""
+"""Checkpoint retention (``train.save_total_limit``) and the best checkpoint (``metric_for_best_model``), on
+checkpoint folders alone: the pure choice of what to delete (the newest kept, and the best beside them, ties to the
+first), and checkpoints of earlier worker attempts (links) listed and deleted with their folders or replaced by a
+resumed attempt's own."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The rollout engine on every tiny family: each prompt prefilled once and forked to its group, each distinct
-sample's vision features computed once and reused, with the same samples and the same log-probs as the plain
-path."""
+"""The rollout engine's micro-batch rules on plain lists: ``bucket_rows`` regroups rows only within their blocks, and
+``composition_invariant`` names the losses whose value depends on how rows are cut into micro-batches."""
 
 from __future__ import annotations
 

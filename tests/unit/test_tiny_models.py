@@ -1,4 +1,5 @@
-"""Tiny VLMs: built offline, reloaded through the Auto classes, chat templates render images the family's way."""
+"""Tiny VLMs' refusals before anything is built: a build into a non-empty folder leaves it as it was, and an unknown
+tiny family is a clear error naming the known ones."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The trainer's collaborators, each on its own with a real tiny model: the data order (training.data_order), the
-model passes (training.forward_passes), rollouts (training.rollout), the optimisation step (training.optimization)
-and checkpointing (training.checkpointing). The end-to-end runs that put them together are tests/test_training.py's."""
+"""The trainer's collaborators that need no model, on synthetic rows: the data order (training.data_order), a seeded
+permutation per epoch with each process taking its slice and resuming at its position, and the trainer state
+(training.checkpointing) keeping its keys and reading one written before a key existed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The training core end to end on tiny models and synthetic multi-image data (CPU)."""
+"""The training config before any training: errors name every bad key, a resolved config loads again, and the examples
+are valid configs runnable offline (the demo's evaluates held-out rows before any update)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""Collage's advantages, losses, metrics and options agree with TRL's own trainers on the same model and batch.
-
-TRL (dev extra only; ``training/`` never imports it) prepares a generation batch through its real
-``_generate_and_score_completions`` (generation itself replaced by fixed completions, so both sides see the
-same tokens) and computes its loss with its real ``_compute_loss``. Collage computes the same from its own
-encoder, collate and log-prob path plus ``training.algorithms``. Covered, to 1e-5 in float32 (loss values,
-every parameter's gradient, and the logged metrics):
-
-- every ``loss_type`` (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo) and their parameters,
-  ``importance_sampling_level: sequence`` (GSPO), ``delta``, ``top_entropy_quantile``, ``entropy_coef``,
-  ``beta`` with and without ``use_bias_correction_kl`` (and the ``kl`` metric as TRL logs it);
-- advantages for ``scale_rewards`` group/batch/none, ``multi_objective_aggregation: normalize_then_sum`` (GDPO),
-  RLOO with and without ``normalize_advantages`` and its KL-in-the-reward; groups of 2, 4 and 8; 1- and 2-image
-  prompts and a text-only prompt in one batch; ``None`` rewards, an unscorable completion, a zero-std group;
-- ``gradient_accumulation_steps > 1`` with ``steps_per_generation > 1`` through TRL's own ``_prepare_inputs``
-  (shuffle, split, buffer): each micro-batch's loss and each accumulation window's gradient;
-- ``sync_ref_model`` against TRL's ``SyncRefModelCallback``;
-- the option surface: every loss/algorithm key has TRL's name and default, and keys of one algorithm are refused
-  for the other;
-
-and, without TRL, Collage's trainer end to end: its shuffle and micro-batch slicing keep every row's advantage,
-old and reference log-probs and pixels with it (checked against a per-sample recomputation).
-"""
+"""Collage's loss and algorithm options agree with TRL's configs (TRL is a dev extra only; ``training/`` never imports
+it): every key has TRL's name and default, a key of one algorithm is refused for the other as TRL refuses it,
+settings TRL warns about give a warning event naming the key, and the launch form shows each with TRL's name."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The trust model (docs/security.md): API clients choose neither the code a worker runs nor the files it reads.
+"""The trust model (docs/security.md) in the reward resolver: API clients choose none of the code a worker runs.
 
-Through the real app (SQLite and PostgreSQL) and the real resolver; the api fixture allowlists
-tests.support.rewards and its COLLAGE_HOME (the default root) is the test's tmp_path.
+Through the real resolver alone: gadgets are refused even when their module is allowlisted, an allowlisted module
+reaches only its own public functions, and nothing runs that the allowlist does not name.
 """
 
 from __future__ import annotations
