@@ -16,12 +16,22 @@ from tests.support.rollouts import seed_run
 from tests.support.waiting import scaled
 
 
-def test_a_drag_zoom_stays_through_live_steps_until_reset(browser, server):
+@pytest.fixture(scope="module")
+def busy(server):
+    """One long run the module's worker trains while the tests look: live steps for the zoom, a busy worker for the
+    queue tests (one training process for all of them); cancelled at the end."""
     client = server["client"]
-    run = client.post("/runs", json=small_config("zoom-live", max_steps=400)).json()["id"]
+    run = client.post("/runs", json=small_config("busy-live", max_steps=5000)).json()["id"]
+    wait_status(client, run, ("running",))
+    yield run
+    client.post(f"/runs/{run}/cancel")
+    wait_done(client, run)
+
+
+def test_a_drag_zoom_stays_through_live_steps_until_reset(browser, server, busy):
+    client, run = server["client"], busy
     context, page = login(browser, server)
     try:
-        wait_status(client, run, ("running",))
         page.goto(f"{server['base']}/runs/{run}")
         sel = '.chart[data-metric="reward"]'
         state = f"(() => {{ const c = document.querySelector('{sel}').chart; return [c.plot.scales.x.min, " \
@@ -44,11 +54,10 @@ def test_a_drag_zoom_stays_through_live_steps_until_reset(browser, server):
         page.click(f"{sel} .zoom-reset")
         wait_js(page, f"{state}[1] === {state}[3]")  # every step again, the newest included
         assert page.get_attribute(sel, "data-zoom") == "" and page.is_hidden(f"{sel} .zoom-reset")
+        assert client.get(f"/runs/{run}").json()["status"] == "running"
         assert not page.errors, page.errors
     finally:
         context.close()
-        client.post(f"/runs/{run}/cancel")
-        wait_done(client, run)
 
 
 @pytest.fixture(scope="module")
@@ -205,10 +214,8 @@ def test_a_clone_from_the_form_records_its_parent_and_the_page_links_it(browser,
     context.close()
 
 
-def test_the_runs_list_shows_a_queued_runs_place(browser, server):
+def test_the_runs_list_shows_a_queued_runs_place(browser, server, busy):
     client = server["client"]
-    busy = client.post("/runs", json=small_config("queue-busy", max_steps=400)).json()["id"]
-    wait_status(client, busy, ("running",))
     waiting = [client.post("/runs", json=small_config(f"queue-{i}")).json()["id"] for i in (1, 2)]
     context, page = login(browser, server)
     try:
@@ -220,18 +227,16 @@ def test_the_runs_list_shows_a_queued_runs_place(browser, server):
         assert not page.errors, page.errors
     finally:
         context.close()
-        for run_id in [*waiting, busy]:
+        for run_id in waiting:
             client.post(f"/runs/{run_id}/cancel")
-        for run_id in [*waiting, busy]:
+        for run_id in waiting:
             wait_done(client, run_id)
 
 
-def test_a_queued_run_says_live_whether_a_worker_takes_its_queue(browser, server):
+def test_a_queued_run_says_live_whether_a_worker_takes_its_queue(browser, server, busy):
     """The run page's "no live worker" note is computed when the page looks (queue_workers), never an event frozen
     at submit: shown for a queue nobody serves, absent for serve's own queue (the demo's false warning)."""
     client = server["client"]
-    busy = client.post("/runs", json=small_config("note-busy", max_steps=400)).json()["id"]
-    wait_status(client, busy, ("running",))
     waiting = client.post("/runs", json=small_config("note-default")).json()["id"]
     orphan_config = small_config("note-orphan")
     orphan_config["resources"] = {**orphan_config.get("resources", {}), "queue": "nobody-serves-this"}
@@ -250,7 +255,7 @@ def test_a_queued_run_says_live_whether_a_worker_takes_its_queue(browser, server
         assert not page.errors, page.errors
     finally:
         context.close()
-        for run_id in (orphan, waiting, busy):
+        for run_id in (orphan, waiting):
             client.post(f"/runs/{run_id}/cancel")
-        for run_id in (orphan, waiting, busy):
+        for run_id in (orphan, waiting):
             wait_done(client, run_id)

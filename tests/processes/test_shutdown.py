@@ -41,7 +41,7 @@ def test_two_sigterms_in_quick_succession_stop_the_worker_once_with_a_checkpoint
     cluster = embedded
     cluster.env["COLLAGE_TRAIN_NICE"] = "7"
     worker = cluster.start_worker("w1")
-    run_id = cluster.submit(max_steps=40, delay=0.4)
+    run_id = cluster.submit(max_steps=16, delay=0.4)  # long enough to be stopped mid-run; resumed to its end
     cluster.wait_step(run_id, 2)
     # the training runs at the asked CPU priority, its session's autogroup too (Linux weighs nice values only
     # within an autogroup)
