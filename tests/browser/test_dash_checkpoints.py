@@ -28,9 +28,9 @@ def test_the_checkpoints_panel_lists_downloads_and_exports(server, page, tmp_pat
     page.goto(f"{server['base']}/runs/{run_id}")
     assert page.inner_text("#checkpoints-note") == "No checkpoint yet."
     # live: the rows come while the run trains, without a reload
-    wait_for(lambda: len(_rows(page)) >= 1, "a first checkpoint row")
+    wait_for(lambda: len(_rows(page)) >= 1, "a first checkpoint row", timeout=240)  # the training starts first
     assert wait_done(client, run_id)["status"] == "succeeded"
-    wait_for(lambda: _rows(page) == ["1", "2", "3"], "every checkpoint")
+    wait_for(lambda: _rows(page) == ["1", "2", "3"], "every checkpoint", timeout=180)
 
     # the best checkpoint by reward (the values a worker records with each checkpoint)
     from sqlalchemy import update
@@ -48,7 +48,7 @@ def test_the_checkpoints_panel_lists_downloads_and_exports(server, page, tmp_pat
     finally:
         engine.dispose()
     page.reload()
-    wait_for(lambda: page.is_visible("tr[data-step='2'] .best-badge"), "the best badge")
+    wait_for(lambda: page.is_visible("tr[data-step='2'] .best-badge"), "the best badge", timeout=180)
     assert page.locator(".best-badge").count() == 1
     assert page.inner_text("#checkpoints-metric") == "reward"
     assert "Best by reward (greater is better)" in page.inner_text("#checkpoints-note")
@@ -71,7 +71,7 @@ def test_the_checkpoints_panel_lists_downloads_and_exports(server, page, tmp_pat
 
     shutil.rmtree(on_disk.parent.parent / "step-3")
     page.click("tr[data-step='3'] button.download")
-    wait_for(lambda: page.is_visible("#checkpoints-error"), "the download's refusal")
+    wait_for(lambda: page.is_visible("#checkpoints-error"), "the download's refusal", timeout=180)
     assert "Not downloaded: checkpoint step 3 of run" in page.inner_text("#checkpoints-error")
     assert "its files are gone" in page.inner_text("#checkpoints-error")
 
@@ -82,7 +82,9 @@ def test_the_checkpoints_panel_lists_downloads_and_exports(server, page, tmp_pat
     assert "Export of step 2 (LoRA merged)" in page.inner_text("#export-title")
     assert page.is_hidden("#checkpoints-error")  # a new action clears the last refusal
     page.click("tr[data-step='1'] button.export")
-    wait_for(lambda: "one export at a time per token" in page.inner_text("#checkpoints-error"), "the refusal")
+    wait_for(
+        lambda: "one export at a time per token" in page.inner_text("#checkpoints-error"), "the refusal", timeout=180
+    )
     wait_for(lambda: page.is_visible("#export-download"), "the export's download link", timeout=240)
     assert page.inner_text("#export-state") == "succeeded"
     shoot(page, "run-checkpoints")

@@ -259,7 +259,7 @@ def test_each_token_has_a_limit_of_dataset_requests_in_flight(api, tmp_path):
     )
     threads = [first]
     try:
-        wait_for(lambda: _gate_total(app) == 1, "one request through the gate", interval=0.05)
+        wait_for(lambda: _gate_total(app) == 1, "one request through the gate", interval=0.05, timeout=120)
         second = client.get(API + "/datasets/preview", params={"source": "synth:count-red"}, headers=alice)
         assert second.status_code == 429 and int(second.headers["Retry-After"]) > 0
         assert "this token already has 1 dataset request(s) in flight" in second.json()["detail"]
@@ -325,7 +325,13 @@ def test_waiting_previews_never_hang_the_api(api, tmp_path):
             threads.append(thread)
             answers.append(out)
         try:
-            wait_for(lambda: sum(1 for out in answers if out), "37 answers", until=lambda n: n == 37, interval=0.05)
+            wait_for(
+                lambda: sum(1 for out in answers if out),
+                "37 answers",
+                until=lambda n: n == 37,
+                interval=0.05,
+                timeout=120,
+            )
             assert {out[0].status_code for out in answers if out} == {429}
             assert _gate_total(app) == 8
             alive: list = []

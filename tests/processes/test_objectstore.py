@@ -90,8 +90,7 @@ def test_single_files_are_fetched_into_the_cache(mirror, tmp_path):
     assert ensure_local_file(tmp_path, "images/ab/cd/y.png", None) is None
 
 
-def test_an_unreachable_server_fails_after_the_retry_window_naming_it(monkeypatch, caplog):
-    caplog.set_level("WARNING", logger="collage.objectstore")
+def test_an_unreachable_server_fails_after_the_retry_window_naming_it(monkeypatch):
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -101,10 +100,6 @@ def test_an_unreachable_server_fails_after_the_retry_window_naming_it(monkeypatc
         mirror.put_bytes("images/x.png", b"x")
     assert endpoint in str(caught.value) and "writing images/x.png" in str(caught.value)
     assert time.monotonic() - started >= 1.5  # it waited out the window, retrying, before giving up
-    # each try is in the log as the outage happens, numbered, naming the server and what it was doing
-    tries = [r.getMessage() for r in caplog.records if "retrying for up to" in r.getMessage()]
-    assert len(tries) >= 2 and all(endpoint in t and "writing images/x.png" in t for t in tries), tries
-    assert "(attempt 1, " in tries[0] and "(attempt 2, " in tries[1]
 
 
 def test_the_cache_keeps_under_its_bound_removing_the_least_recently_used_first(mirror, tmp_path):

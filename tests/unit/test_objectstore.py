@@ -60,3 +60,27 @@ def test_an_s3_url_without_boto3_names_the_extra_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "boto3", None)  # as if it were not installed
     with pytest.raises(MissingExtraError, match=r"pip install 'collage-rl\[s3\]'"):
         ObjectMirror("s3://b/p").ensure_bucket()
+
+
+def test_each_retry_of_an_outage_is_logged_as_it_happens_and_the_recovery_too(caplog):
+    """An operator sees an outage in the log while it lasts: each transient failure with its attempt and the time
+    so far, then the attempt that succeeded (no server: the call fails twice, then answers)."""
+    from botocore.exceptions import EndpointConnectionError
+
+    caplog.set_level("WARNING", logger="collage.objectstore")
+    slept: list[float] = []
+    mirror = ObjectMirror("s3://b/p", "http://127.0.0.1:9", retry_for=60, sleep=slept.append)
+    calls: list[int] = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+        return "stored"
+
+    assert mirror._retry("writing images/x.png", flaky) == "stored"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(calls) == 3 and len(slept) == 2 and len(lines) == 3, lines
+    assert all("http://127.0.0.1:9" in line and "writing images/x.png" in line for line in lines), lines
+    assert "failed (attempt 1, " in lines[0] and "failed (attempt 2, " in lines[1] and "retrying for up to" in lines[1]
+    assert "succeeded at attempt 3" in lines[2]
