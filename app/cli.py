@@ -164,29 +164,22 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _store_engine():
-    from .db import check_migrated, engine_for
-    from .settings import get_settings
-
-    engine = engine_for(get_settings().database_url)
-    check_migrated(engine)
-    return engine
-
-
 def _cmd_token_create(args: argparse.Namespace) -> int:
+    from .db import migrated_store
     from .store.tokens import create_token
 
-    token = create_token(_store_engine(), args.name, args.role, args.expires)
+    token = create_token(migrated_store(), args.name, args.role, args.expires)
     print(token)
     print(f"API token {args.name!r} ({args.role}) created; it is shown only this once.", file=sys.stderr)
     return 0
 
 
 def _cmd_token_list(args: argparse.Namespace) -> int:
+    from .db import migrated_store
     from .store.tokens import list_tokens, usable
 
     rows: list[tuple[str, ...]] = [("NAME", "ROLE", "PREFIX", "CREATED", "LAST USED", "EXPIRES", "STATE")]
-    for t in list_tokens(_store_engine()):
+    for t in list_tokens(migrated_store()):
         state = "revoked" if t.revoked else ("live" if usable(t) else "expired")
         when = [f"{d:%Y-%m-%d %H:%M}" if d else "-" for d in (t.created_at, t.last_used_at, t.expires_at)]
         rows.append((t.name, t.role, t.prefix + "…", *when, state))
@@ -197,19 +190,21 @@ def _cmd_token_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_revoke(args: argparse.Namespace) -> int:
+    from .db import migrated_store
     from .store.tokens import revoke_token
 
-    revoke_token(_store_engine(), args.name)
+    revoke_token(migrated_store(), args.name)
     print(f"revoked {args.name!r}: its API access and browser sessions have ended", file=sys.stderr)
     return 0
 
 
 def _cmd_token_link(args: argparse.Namespace) -> int:
+    from .db import migrated_store
     from .serve_record import resolve_server
     from .settings import get_settings
     from .store.tokens import create_login_link
 
-    code = create_login_link(_store_engine(), args.name)
+    code = create_login_link(migrated_store(), args.name)
     base = resolve_server(args.server, get_settings().home)
     print(f"{base}/login/link/{code}")
     print("one-time login link: single use, valid for 10 minutes", file=sys.stderr)

@@ -214,3 +214,13 @@ def check_migrated(engine: Engine) -> None:
             f"the database {engine.url.render_as_string(hide_password=True)} {state}: run `collage db upgrade` "
             "(with the same COLLAGE_DATABASE_URL) first"
         )
+
+
+def migrated_store() -> Engine:
+    """The engine of the store the settings name (``COLLAGE_DATABASE_URL``), refused unless migrated: what a command
+    line tool works on."""
+    from .settings import get_settings
+
+    engine = engine_for(get_settings().database_url)
+    check_migrated(engine)
+    return engine

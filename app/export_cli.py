@@ -39,10 +39,10 @@ def _from_folder(folder: Path) -> tuple[list[store.CheckpointEntry], store.BestR
 def _from_store(run_id: str) -> tuple[list[store.CheckpointEntry], store.BestRule, dict[str, Any], str]:
     from sqlmodel import Session
 
-    from .cli import _store_engine
+    from .db import migrated_store
     from .models import Run
 
-    engine = _store_engine()
+    engine = migrated_store()
     with Session(engine) as session:
         run = session.get(Run, run_id) if len(run_id) <= 32 else None
         if run is None:

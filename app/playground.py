@@ -17,7 +17,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from sqlmodel import Session
 
 from collage.training.config import ConfigError, RunConfig, parse_config
-from collage.training.data.rows import RowError, normalise_prompt
+from collage.training.data.row_error import RowError
+from collage.training.data.rows import normalise_prompt
 from collage.training.images import RASTER_FORMATS, ImageRefused, decode_raster
 from collage.training.models.families import TINY_FAMILIES
 

@@ -11,7 +11,8 @@ import torch
 
 from .batching.encoding import PromptEncoder
 from .data.loader import LoadedDataset
-from .data.rows import RawRow, RowError, Sample
+from .data.row_error import RowError
+from .data.rows import RawRow, Sample
 from .training_error import TrainingError
 
 MAX_REDRAWS = 100  # a drawn row that fails its check is replaced; this many bad in a row stops the run

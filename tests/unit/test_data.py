@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from collage.training.data.loader import DatasetError, load_dataset
-from collage.training.data.rows import RowError
+from collage.training.data.row_error import RowError
 from collage.training.data.synth import COLORS, TASKS, SynthError, write_synth
 
 

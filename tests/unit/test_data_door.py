@@ -17,7 +17,7 @@ from PIL import Image
 from collage.training.data.check import check_dataset, dataset_fingerprint
 from collage.training.data.display import bounded
 from collage.training.data.loader import load_dataset
-from collage.training.data.rows import RowError
+from collage.training.data.row_error import RowError
 from collage.training.home import cache_dir
 from collage.training.images import RASTER_FORMATS, decode_raster
 from tests.support.hostile_data import (
@@ -209,7 +209,7 @@ def test_a_limited_load_parses_only_its_rows_and_counts_the_rest(tmp_path):
 
 
 def test_a_row_nested_past_the_json_readers_limit_is_a_clear_error(tmp_path):
-    from collage.training.data.rows import RowError
+    from collage.training.data.row_error import RowError
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     (item,) = load_dataset(str(tmp_path)).samples()

@@ -84,3 +84,71 @@ def test_no_function_is_over_80_lines():
                     if lines > 80:
                         long.append(f"{file.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """``collage.<tier>.<...>`` -> its file, for every module of app/, worker/ and training/ under ``root``."""
+    found = {}
+    for tier in ("app", "worker", "training"):
+        for file in sorted((root / tier).rglob("*.py")):
+            parts = list(file.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(["collage", *parts])] = file
+    return found
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Every set of modules that import each other round in a circle (function-local imports count: a circle that
+    only works because one side imports late is still one), each sorted, as Tarjan's algorithm finds them."""
+    modules = _modules(root)
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, file in modules.items():
+        for _, imported in imports_of(file):
+            target = imported
+            while target and target not in modules:  # `from pkg.mod import name` names the module pkg.mod
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges[name].add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # recursive: the import graph is shallow
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in edges[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_import_circle():
+    assert import_circles(ROOT) == []
+
+
+def test_the_circle_check_finds_a_circle_through_a_late_import(tmp_path, monkeypatch):
+    data = tmp_path / "training" / "data"
+    data.mkdir(parents=True)
+    (data / "rows.py").write_text("def mapped():\n    from .mapping import RowMapping\n")
+    (data / "mapping.py").write_text("from .rows import RowError\n")
+    (data / "check.py").write_text("from .rows import mapped\n")  # imports into the circle, not part of it
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    assert import_circles(tmp_path) == [["collage.training.data.mapping", "collage.training.data.rows"]]

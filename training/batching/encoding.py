@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..data.rows import RowError, Sample
+from ..data.row_error import RowError
+from ..data.rows import Sample
 from ..models.families import Family
 from .layouts import Pixels, pixel_key
 

@@ -26,7 +26,8 @@ from ..home import collage_home
 from ..images import ImageRefused, image_file
 from ..objectstore import ARTIFACTS_ENV, ENDPOINT_ENV, ObjectMirror, mirror_for
 from .loader import LoadedDataset, load_dataset
-from .rows import RawRow, RowError, Sample, image_source
+from .row_error import RowError
+from .rows import RawRow, Sample, image_source
 
 log = logging.getLogger("collage.training")
 

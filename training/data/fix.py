@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import InputError
 from .loader import LoadedDataset
-from .rows import RowError
+from .row_error import RowError
 
 
 class FixError(InputError):

@@ -29,7 +29,8 @@ from typing import IO, Any
 
 from ..errors import InputError
 from ..images import resolve_roots
-from .rows import RawRow, RowError, Sample
+from .row_error import RowError
+from .rows import RawRow, Sample
 from .rowsource import ArrowRows, ChainRows, JsonlRows, ParquetRows, RowSeq, parse_jsonl_line
 
 Roots = tuple[Path, ...] | None

@@ -15,7 +15,6 @@ from typing import Any
 
 from PIL import Image
 
-from ..errors import InputError
 from ..images import (
     FileMissing,
     ImageRefused,
@@ -25,17 +24,10 @@ from ..images import (
     image_file,
     read_image_file,
 )
+from .mapping import RowMapping
+from .row_error import RowError
 
 ROLES = ("system", "user", "assistant")
-
-
-class RowError(InputError):
-    """A problem with one dataset row; ``row`` is its 0-based index in the split."""
-
-    def __init__(self, row: int, message: str):
-        super().__init__(f"row {row}: {message}")
-        self.row = row
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -88,8 +80,6 @@ class RawRow:
     problem: str | None = None
 
     def _mapped(self) -> Any:
-        from .mapping import RowMapping  # mapping imports RowError from here
-
         if self.problem is not None:
             raise RowError(self.row, self.problem)
         return (self.mapping or RowMapping()).apply(self.row, self.data)
