@@ -106,6 +106,25 @@ def clean_upload(data: bytes, max_pixels: int) -> CleanImage:
     return CleanImage(buf.getvalue(), bare.width, bare.height, DECODED_AS[fmt])
 
 
+# a re-encoded upload (a PNG of its pixels) may be at most this many times the bytes sent, and never more than
+# UPLOAD_STORED_FACTOR times COLLAGE_UPLOAD_MAX_BYTES: a 2.5 MB JPEG of noise re-encodes to a 59 MB PNG (23 times)
+UPLOAD_GROWTH = 12
+UPLOAD_GROWTH_FLOOR = 1 << 20  # small files may always grow to this (a PNG's own overhead on a tiny image)
+UPLOAD_STORED_FACTOR = 4
+
+
+def upload_growth_error(sent: int, stored: int, max_bytes: int) -> str | None:
+    """Why an upload whose ``sent`` bytes re-encode to ``stored`` bytes of PNG is not kept, or None."""
+    cap = min(max(UPLOAD_GROWTH * sent, UPLOAD_GROWTH_FLOOR), UPLOAD_STORED_FACTOR * max_bytes)
+    if stored <= cap:
+        return None
+    return (
+        f"re-encodes to a PNG of {stored} bytes, more than the {cap} an upload of {sent} bytes may become "
+        f"({UPLOAD_GROWTH} times what was sent, at most {UPLOAD_STORED_FACTOR} x COLLAGE_UPLOAD_MAX_BYTES): images "
+        "of noise or film grain do not compress; send a smaller or a cleaner image"
+    )
+
+
 # ----------------------------------------------------------------------------------------------------- prompts
 MARKER = re.compile(r"\[image (\d+)\]")
 

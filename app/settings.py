@@ -63,6 +63,7 @@ ENV_VARS = (
     "COLLAGE_UPLOAD_MAX_BYTES",
     "COLLAGE_UPLOAD_MAX_PIXELS",
     "COLLAGE_UPLOAD_QUOTA_MB",
+    "COLLAGE_UPLOAD_BUDGET_MB",
     # the dataset helper (app/datahelper.py), read in the helper process itself
     "COLLAGE_DATA_HELPER_IDLE",
 )
@@ -149,6 +150,7 @@ class Settings:
     upload_max_bytes: int = 10 << 20  # an uploaded image file above this is refused (413) while it is read
     upload_max_pixels: int = 40_000_000  # an upload whose header announces more pixels is refused before decoding
     upload_quota_mb: int = 200  # megabytes of (re-encoded) uploads one token may keep (429 beyond)
+    upload_budget_mb: int = 10240  # megabytes of uploads all tokens together may keep (507 beyond)
     # seconds the dataset helper (the child that answers previews and checks) waits for a request, then exits
     data_helper_idle: float = 600.0
 
@@ -224,6 +226,7 @@ class Settings:
             upload_max_bytes=int(os.environ.get("COLLAGE_UPLOAD_MAX_BYTES", 10 << 20)),
             upload_max_pixels=int(os.environ.get("COLLAGE_UPLOAD_MAX_PIXELS", 40_000_000)),
             upload_quota_mb=int(os.environ.get("COLLAGE_UPLOAD_QUOTA_MB", 200)),
+            upload_budget_mb=int(os.environ.get("COLLAGE_UPLOAD_BUDGET_MB", 10240)),
             data_helper_idle=float(os.environ.get("COLLAGE_DATA_HELPER_IDLE", 600.0)),
         )
 

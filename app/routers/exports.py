@@ -10,7 +10,6 @@ on disk (``app/store/exports.py``). Only the token that asked, or an admin, canc
 
 from __future__ import annotations
 
-import threading
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Response
@@ -107,18 +106,11 @@ def create_export(
         )  # fmt: skip
     queue = queue_of(run.config)
     request_json = {"run_id": run.id, "step": entry.step, "asked": asked.step, "merge_lora": asked.merge_lora}
-    # one request of a web process at a time from the look to the new job (two threads could otherwise each see
-    # no export in flight); across web replicas the look and the insert lock the token's row (store.admit), and the
-    # recheck below is the last word on a store without row locks (the oldest job stays, a newer one gives way)
-    with _EXPORT_ADMISSION:
-        job = jobs.new_job(JobKind.EXPORT, queue, request_json, run_id=run.id, created_by=token)
-        busy = store.admit(engine, token, job)
-        if busy is not None:
-            raise _one_at_a_time(busy)
-    first = store.first_in_flight(engine, token.id) if token.id is not None else job
-    if first is not None and first.id != job.id:  # another request of this token won the race: this one gives way
-        jobs.cancel_job(engine, job.id)
-        raise _one_at_a_time(first)
+    # the look and the insert are one transaction (store.admit): of concurrent requests on any replica, one gets in
+    job = jobs.new_job(JobKind.EXPORT, queue, request_json, run_id=run.id, created_by=token)
+    busy = store.admit(engine, token, job)
+    if busy is not None:
+        raise _one_at_a_time(busy)
     try:
         dispatcher.submit_job(job.id, queue)
     except Exception as exc:  # any broker failure: the job is cancelled (it would otherwise wait for a resend)
@@ -126,9 +118,6 @@ def create_export(
         raise HTTPException(503, f"the export could not be queued: {exc}") from exc
     response.headers["Location"] = export_url(job.id)
     return ExportCreated(id=job.id, url=export_url(job.id))
-
-
-_EXPORT_ADMISSION = threading.Lock()
 
 
 def _one_at_a_time(busy: Job) -> HTTPException:

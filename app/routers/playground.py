@@ -8,8 +8,8 @@ only by the token that asked for it, and by admins. The web node never loads a m
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import threading
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
@@ -23,7 +23,15 @@ from collage.training.images import ImageRefused
 from ..auth import UNAUTHORIZED, Responses, is_admin, owns, require_token
 from ..deps import CurrentUser, DispatcherDep, EngineDep, SessionDep, SettingsDep
 from ..models import ApiToken, Job
-from ..playground import Refused, ResolvedModel, clean_upload, model_summary, prompt_conversation, resolve_model
+from ..playground import (
+    Refused,
+    ResolvedModel,
+    clean_upload,
+    model_summary,
+    prompt_conversation,
+    resolve_model,
+    upload_growth_error,
+)
 from ..schemas import (
     ErrorOut,
     GenerateCreated,
@@ -39,8 +47,7 @@ from ..settings import Settings
 from ..status import JobKind, RunStatus
 from ..store import jobs
 from ..store.image_index import image_sizes, known_images
-from ..store.images import write_image
-from ..store.uploads import QuotaExceeded, add_upload, list_uploads, used_bytes
+from ..store.uploads import UploadLimits, UploadRefused, list_uploads, store_upload, used_bytes
 from .common import API, image_ref
 from .workers import queue_workers
 
@@ -51,7 +58,16 @@ router = APIRouter(tags=["playground"], dependencies=[Depends(require_token)], r
 UPLOAD_PATH = "/images"
 # what a multipart body carries besides the file itself (boundaries, part headers, a file name)
 MULTIPART_SLACK = 64 << 10
-DECODES = asyncio.Semaphore(4)  # uploads decoded at once per web process (a 40-megapixel image takes ~200 MB)
+# uploads decoded at once per web process (a 40-megapixel image takes ~200 MB): a thread semaphore, taken on the
+# decoding thread (an asyncio one belongs to the first event loop that waits on it; a process may run several)
+DECODES = threading.BoundedSemaphore(4)
+
+
+def _clean_upload_bounded(data: bytes, max_pixels: int):
+    with DECODES:
+        return clean_upload(data, max_pixels)
+
+
 INVALID: Responses = {422: {"model": ValidationErrorOut, "description": "every bad field, by its path"}}
 NOT_FOUND: Responses = {404: {"model": ErrorOut, "description": "no such generation (or not this token's)"}}
 
@@ -118,6 +134,12 @@ async def _read_file(request: Request, limit: int) -> bytes:
         **INVALID,
         413: {"model": ErrorOut, "description": "the file is larger than COLLAGE_UPLOAD_MAX_BYTES"},
         429: {"model": ErrorOut, "description": "the token's uploads would exceed COLLAGE_UPLOAD_QUOTA_MB"},
+        503: {"model": ErrorOut, "description": "the image could not be written (the bucket or the disk refused it)"},
+        507: {
+            "model": ErrorOut,
+            "description": "every token's uploads would pass COLLAGE_UPLOAD_BUDGET_MB, or the "
+            "disk would keep less than COLLAGE_MIN_FREE_DISK_MB free",
+        },
     },
 )
 async def upload_image(request: Request, token: CurrentUser, settings: SettingsDep, engine: EngineDep) -> UploadOut:
@@ -125,20 +147,24 @@ async def upload_image(request: Request, token: CurrentUser, settings: SettingsD
     flattened to RGB and stored again as a PNG of its pixels alone (no metadata), addressed by the SHA-256 of those
     bytes: use the `sha256` in `POST /generate`. An image this token uploaded before is not counted again."""
     data = await _read_file(request, settings.upload_max_bytes)
-    async with DECODES:
-        try:
-            image = await run_in_threadpool(clean_upload, data, settings.upload_max_pixels)
-        except ImageRefused as exc:
-            raise _field_error("file", f"the file {exc}") from exc
-    sha, rel = await run_in_threadpool(write_image, settings.artifacts, image.png, None, settings.mirror())
+    try:
+        image = await run_in_threadpool(_clean_upload_bounded, data, settings.upload_max_pixels)
+    except ImageRefused as exc:
+        raise _field_error("file", f"the file {exc}") from exc
+    grown = upload_growth_error(len(data), len(image.png), settings.upload_max_bytes)
+    if grown is not None:
+        raise _field_error("file", f"the file {grown}")
     assert token.id is not None
+    limits = UploadLimits(quota=settings.upload_quota_mb << 20, budget=settings.upload_budget_mb << 20,
+                          min_free=settings.min_free_disk_mb << 20)  # fmt: skip
     try:
         stored = await run_in_threadpool(
-            add_upload, engine, token.id, sha, rel, image.width, image.height, len(image.png),
-            settings.upload_quota_mb << 20,
+            store_upload, engine, settings.artifacts, token.id, image.png, (image.width, image.height), limits,
+            settings.mirror(),
         )  # fmt: skip
-    except QuotaExceeded as exc:
-        raise HTTPException(429, str(exc)) from exc
+    except UploadRefused as exc:
+        raise HTTPException(exc.status, str(exc)) from exc
+    sha = stored.sha256
     ref = image_ref(sha, image.width, image.height)
     return UploadOut(sha256=sha, width=image.width, height=image.height, bytes=stored.bytes, url=ref.url,
                      thumb_url=ref.thumb_url, new=stored.new)  # fmt: skip
@@ -215,13 +241,6 @@ def generate(
         ]
     except Refused as exc:
         raise _refused(exc) from exc
-    in_flight = jobs.active_generations(session, token.id)
-    if in_flight >= settings.playground_per_user:
-        raise HTTPException(
-            429,
-            f"this token already has {in_flight} generation(s) queued or running (at most "
-            f"{settings.playground_per_user}, COLLAGE_PLAYGROUND_PER_USER): wait for one to end, or cancel it",
-        )
     runs = [m for m in models if m.run is not None]
     queue = runs[0].queue if runs else "default"  # a generation runs on one worker: the first run's queue
     job_request = {
@@ -236,8 +255,14 @@ def generate(
         "max_new_tokens": body.max_new_tokens,
         "seed": body.seed,
     }
-    job = jobs.create_job(engine, JobKind.GENERATE, queue, job_request, run_id=runs[0].run if runs else None,
-                          created_by=token)  # fmt: skip
+    job = jobs.new_job(JobKind.GENERATE, queue, job_request, run_id=runs[0].run if runs else None, created_by=token)
+    busy = jobs.admit(engine, token, job, settings.playground_per_user)  # the count and the insert: one transaction
+    if busy:
+        raise HTTPException(
+            429,
+            f"this token already has {len(busy)} generation(s) queued or running (at most "
+            f"{settings.playground_per_user}, COLLAGE_PLAYGROUND_PER_USER): wait for one to end, or cancel it",
+        )
     try:
         dispatcher.submit_job(job.id, queue)
     except Exception as exc:  # any broker failure: the job is ended failed, never left queued without a message

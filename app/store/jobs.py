@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
@@ -57,6 +57,44 @@ def create_job(
         session.add(job)
         session.commit()
     return job
+
+
+IN_FLIGHT = [RunStatus.QUEUED.value, *(s.value for s in ACTIVE)]
+
+
+def in_flight(session: Session, kind: JobKind, token_id: int) -> list[Job]:
+    """The token's jobs of ``kind`` that are queued or running, oldest first."""
+    query = (
+        select(Job)
+        .where(col(Job.kind) == kind.value, col(Job.created_by) == token_id, col(Job.status).in_(IN_FLIGHT))
+        .order_by(col(Job.created_at), col(Job.id))
+    )
+    return list(session.scalars(query))
+
+
+def admit(engine: Engine, token: ApiToken, job: Job, limit: int) -> list[Job]:
+    """Insert ``job`` unless ``token`` already has ``limit`` jobs of its kind in flight; returns those instead
+    (nothing inserted), or ``[]`` when ``job`` was admitted.
+
+    The count and the insert are one transaction, so concurrent requests of one token (on any web replica) are
+    admitted one after the other and never more than ``limit`` get in: on PostgreSQL the token's row is locked
+    first; on SQLite the insert is the transaction's first statement, which takes the store's only write lock
+    until the commit, so the count after it sees every row committed before."""
+    assert token.id is not None
+    kind = JobKind(job.kind)
+    with Session(engine, expire_on_commit=False) as session:
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(select(col(ApiToken.id)).where(col(ApiToken.id) == token.id).with_for_update())
+        session.add(job)
+        session.flush()
+        others = [j for j in in_flight(session, kind, token.id) if j.id != job.id]
+        if len(others) >= limit:
+            for other in others:  # kept as read: a rollback expires what the session holds
+                session.expunge(other)
+            session.rollback()
+            return others
+        session.commit()
+    return []
 
 
 def new_job(
@@ -172,22 +210,6 @@ def fail_queued(engine: Engine, job_id: str, error: str) -> bool:
     meanwhile; False then."""
     values = {"error": error, "message": f"failed: {error}"[:2000], "finished_at": utcnow()}
     return _update(engine, job_id, [RunStatus.QUEUED], status=RunStatus.FAILED.value, **values)
-
-
-def active_generations(session: Session, token_id: int | None) -> int:
-    """The token's playground generations that are queued or running."""
-    return int(
-        session.scalar(
-            select(func.count())
-            .select_from(Job)
-            .where(
-                col(Job.kind) == JobKind.GENERATE.value,
-                col(Job.created_by) == token_id,
-                col(Job.status).in_([RunStatus.QUEUED.value, *(s.value for s in ACTIVE)]),
-            )
-        )
-        or 0
-    )
 
 
 def cancel_requested(engine: Engine, job_id: str) -> bool:

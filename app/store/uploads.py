@@ -1,30 +1,56 @@
 """Images a token uploaded (the playground): the image itself is content-addressed in ``images`` like every rollout
-image; an ``uploads`` row per (image, token) is what counts against the token's quota.
+image; an ``uploads`` row per (image, token) is what counts against the token's quota and the server's budget.
 
-The quota holds under concurrent uploads of one token: the new row is inserted first and the token's total summed
-after it, in the same transaction, which is rolled back when the total is over. SQLite serialises writers (the
-insert holds the only write lock until the commit); on PostgreSQL the token's row is locked first (``FOR
-UPDATE``), so two uploads of one token are summed one after the other. An image uploaded again by the same token
-is not counted again. Uploads are kept like the rest of the image store (nothing deletes images).
+A refused upload leaves nothing behind. :func:`store_upload` charges the upload first and writes it after:
+
+1. the PNG is staged under a temporary name beside its final path (when the image is not on disk already), on a
+   file system with room for it (``COLLAGE_MIN_FREE_DISK_MB`` kept free);
+2. one transaction inserts the rows and sums the token's uploads (its quota) and every token's (the budget),
+   and is rolled back when either is over (429 / 507): the staged file is removed;
+3. only a committed upload is published: written to the bucket (with object storage), then renamed into place.
+   When that fails the rows are taken back out and the staged file removed (503).
+
+The sums hold under concurrent uploads: the new row is inserted first and the totals summed after it, in the same
+transaction. SQLite serialises writers (the insert holds the only write lock until the commit); on PostgreSQL a
+transaction-level advisory lock orders every upload's accounting, so two uploads are summed one after the other.
+An image uploaded again by the same token is not counted again. Uploads are kept like the rest of the image store.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
+from collage.training.diskspace import human, space_or_none
+from collage.training.objectstore import ObjectMirror, StorageError
+
 from ..db import session_scope
 from ..errors import WebError
-from ..models import ApiToken, Image, Upload, table_of, utcnow
+from ..models import Image, Upload, table_of, utcnow
+from .images import relative_path
 from .sql import dialect_insert
 
+UPLOADS_LOCK = 0x636F6C6C  # the advisory lock (PostgreSQL) that orders the uploads' accounting: "coll"
 
-class QuotaExceeded(WebError):
-    """The upload would take the token past its quota (nothing was stored)."""
+
+class UploadRefused(WebError):
+    """The upload cannot be kept; nothing of it was stored. ``status``: the HTTP status that says why."""
+
+    status = 400
+
+
+class QuotaExceeded(UploadRefused):
+    """The upload would take the token past its quota."""
+
+    status = 429
 
     def __init__(self, used: int, size: int, quota: int):
         self.used, self.size, self.quota = used, size, quota
@@ -33,6 +59,18 @@ class QuotaExceeded(WebError):
             f"{quota} bytes ({quota / (1 << 20):.0f} MB, COLLAGE_UPLOAD_QUOTA_MB): reuse an image uploaded before "
             "(GET /api/v1/uploads lists them) or ask the operator for a larger quota"
         )
+
+
+class BudgetExceeded(UploadRefused):
+    """Every token's uploads together would pass the server's budget for them, or its disk is nearly full."""
+
+    status = 507
+
+
+class NotStored(UploadRefused):
+    """The charged upload could not be written (the bucket or the disk refused it); its charge was taken back."""
+
+    status = 503
 
 
 @dataclass(frozen=True)
@@ -45,20 +83,91 @@ class StoredUpload:
     new: bool  # False: this token had uploaded the same image before (not counted again)
 
 
-def add_upload(
-    engine: Engine, token_id: int, sha: str, path: str, width: int, height: int, size: int, quota: int
+@dataclass(frozen=True)
+class UploadLimits:
+    quota: int  # bytes one token's uploads may hold
+    budget: int  # bytes every token's uploads together may hold
+    min_free: int  # bytes the artifacts' file system keeps free
+
+
+def store_upload(
+    engine: Engine,
+    artifacts: Path,
+    token_id: int,
+    png: bytes,
+    size: tuple[int, int],
+    limits: UploadLimits,
+    mirror: ObjectMirror | None = None,
 ) -> StoredUpload:
-    """Record an image (already written under ``path``, relative to the artifacts) as uploaded by ``token_id``;
-    :class:`QuotaExceeded` when the token's uploads would then exceed ``quota`` bytes."""
+    """Charge, then write, an uploaded PNG (the module's docstring says in which order and why)."""
+    sha = hashlib.sha256(png).hexdigest()
+    rel = relative_path(sha)
+    final = artifacts / rel
+    staged = None if final.exists() else _stage(final, png, limits.min_free)
+    try:
+        stored, image_is_new = add_upload(engine, token_id, sha, rel, *size, len(png), limits)
+        if staged is not None:
+            try:
+                _publish(staged, final, rel, png, mirror)
+            except NotStored:
+                if stored.new:  # only what this upload added: an earlier upload of the image stays
+                    _take_back(engine, token_id, sha, image_is_new)
+                raise
+            staged = None
+    finally:
+        if staged is not None:
+            staged.unlink(missing_ok=True)
+    return stored
+
+
+def _stage(final: Path, png: bytes, min_free: int) -> Path:
+    """``png`` under a temporary name beside ``final``; refused when the disk would keep less than ``min_free``."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    free = space_or_none(final.parent)
+    if free is not None and free.free - len(png) < min_free:
+        raise BudgetExceeded(
+            f"the server's disk for uploads has {free}: an upload of {human(len(png))} would leave less than the "
+            f"{human(min_free)} it keeps free (COLLAGE_MIN_FREE_DISK_MB); ask the operator to free space"
+        )
+    fd, name = tempfile.mkstemp(dir=final.parent, prefix=".upload-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(png)
+    except OSError as exc:
+        Path(name).unlink(missing_ok=True)
+        raise BudgetExceeded(f"the server could not stage the upload on its disk: {exc.strerror or exc}") from exc
+    return Path(name)
+
+
+def _publish(staged: Path, final: Path, rel: str, png: bytes, mirror: ObjectMirror | None) -> None:
+    """The committed upload in the bucket (first: a local file means the bucket has it), then in place here."""
+    try:
+        if mirror is not None:
+            mirror.put_bytes(rel, png, once=True, content_type="image/png")
+        os.replace(staged, final)
+    except (StorageError, OSError) as exc:
+        raise NotStored(f"the upload could not be stored, and was not kept: {exc}") from exc
+
+
+def add_upload(
+    engine: Engine, token_id: int, sha: str, path: str, width: int, height: int, size: int, limits: UploadLimits
+) -> tuple[StoredUpload, bool]:
+    """Record an image (its file is staged under ``path``, relative to the artifacts) as uploaded by ``token_id``;
+    :class:`QuotaExceeded` when the token's uploads, :class:`BudgetExceeded` when every token's, would then pass
+    their limit (the transaction is rolled back). Also says whether the ``images`` row is new."""
     now = utcnow()
     image = {"sha256": sha, "width": width, "height": height, "format": "png", "size_bytes": size, "path": path,
              "created_at": now}  # fmt: skip
     with session_scope(engine) as session:
         if session.get_bind().dialect.name == "postgresql":
-            session.execute(select(col(ApiToken.id)).where(col(ApiToken.id) == token_id).with_for_update())
-        session.execute(
-            dialect_insert(session, table_of(Image)).on_conflict_do_nothing(index_elements=["sha256"]), [image]
-        )
+            session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": UPLOADS_LOCK})
+        images = table_of(Image)
+        inserted = session.execute(
+            dialect_insert(session, images)
+            .on_conflict_do_nothing(index_elements=["sha256"])
+            .returning(images.c.sha256),
+            [image],
+        ).first()
         upload = {"sha256": sha, "token_id": token_id, "bytes": size, "created_at": now}
         table = table_of(Upload)
         insert = (
@@ -70,11 +179,25 @@ def add_upload(
         if session.execute(insert.returning(table.c.sha256)).first() is None:
             before = session.get(Upload, (sha, token_id))
             assert before is not None  # the conflict was this row
-            return StoredUpload(sha, width, height, before.bytes, before.created_at, new=False)
+            return StoredUpload(sha, width, height, before.bytes, before.created_at, new=False), False
         total = used_bytes(session, token_id)
-        if total > quota:
-            raise QuotaExceeded(total - size, size, quota)  # session_scope rolls the row back
-    return StoredUpload(sha, width, height, size, now, new=True)
+        if total > limits.quota:
+            raise QuotaExceeded(total - size, size, limits.quota)  # session_scope rolls the rows back
+        everyone = int(session.scalar(select(func.sum(col(Upload.bytes)))) or 0)
+        if everyone > limits.budget:
+            raise BudgetExceeded(
+                f"the server's uploads would take {human(everyone)}, over the {human(limits.budget)} they may "
+                "use together (COLLAGE_UPLOAD_BUDGET_MB): reuse an image uploaded before, or ask the operator"
+            )
+    return StoredUpload(sha, width, height, size, now, new=True), inserted is not None
+
+
+def _take_back(engine: Engine, token_id: int, sha: str, image_is_new: bool) -> None:
+    """Undo a committed upload whose file could not be written: its row, and the image's if the upload made it."""
+    with session_scope(engine) as session:
+        session.execute(delete(Upload).where(col(Upload.sha256) == sha, col(Upload.token_id) == token_id))
+        if image_is_new:
+            session.execute(delete(Image).where(col(Image.sha256) == sha))
 
 
 def used_bytes(session: Session, token_id: int) -> int:

@@ -203,3 +203,55 @@ def test_a_data_check_made_on_one_host_is_found_by_another_through_the_bucket(co
     found = check.check_dataset(str(count_red_dir))
     assert (found.rows, found.images_per_row, found.errors) == (made.rows, made.images_per_row, made.errors)
     assert list((tmp_path / "host-b").rglob("checks/*.json"))
+
+
+def _upload(client, png: bytes):
+    return client.post(API + "/images", files={"file": ("x.png", png, "image/png")})
+
+
+def _noise(seed: int, size=(400, 400)) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_an_upload_refused_by_its_quota_never_reaches_the_bucket(s3):
+    import hashlib
+
+    from collage.app.store.images import relative_path
+
+    client, web, _, app = s3
+    app.state.settings = replace(web, upload_quota_mb=1)
+    first = _upload(client, _noise(0))
+    assert first.status_code == 201, first.text
+    refused = [_noise(seed) for seed in (1, 2, 3, 4)]
+    assert [_upload(client, png).status_code for png in refused] == [201, 429, 429, 429]
+    bucket = web.mirror()
+    assert bucket is not None and bucket.exists(relative_path(first.json()["sha256"]))
+    for png in refused[1:]:
+        assert not bucket.exists(relative_path(hashlib.sha256(png).hexdigest()))  # not even for a moment
+    assert not list(Path(web.artifacts).rglob(".upload-*"))
+
+
+def test_an_upload_the_bucket_cannot_take_is_503_and_not_kept(s3):
+    """The upload is charged first, then written: a bucket that does not answer (past COLLAGE_S3_RETRY_FOR) takes
+    the charge back, leaves no row and no local file, and the token's quota is as it was."""
+    from sqlmodel import Session, select
+
+    from collage.app.models import Image, Upload
+    from tests.support.services import free_port
+
+    client, web, _, app = s3
+    app.state.settings = replace(web, s3_endpoint_url=f"http://127.0.0.1:{free_port()}", s3_retry_for=1)
+    response = _upload(client, _noise(9))
+    assert response.status_code == 503 and "not kept" in response.json()["detail"], response.text
+    with Session(app.state.engine) as session:
+        assert list(session.exec(select(Upload))) == [] and list(session.exec(select(Image))) == []
+    assert not list(Path(web.artifacts).rglob("*.png"))
+    assert client.get(API + "/uploads").json()["used_bytes"] == 0
+    app.state.settings = web  # the bucket is back: the same upload is taken
+    assert _upload(client, _noise(9)).status_code == 201

@@ -56,3 +56,29 @@ def page_csrf(client: httpx.Client) -> str:
     match = re.search(r'name="csrf_token" value="([^"]+)"', client.get("/runs").text)
     assert match
     return match.group(1)
+
+
+def at_once(calls: list, timeout: float = 120) -> list:
+    """Run every call on a thread of its own, released together by a barrier: what each returned, in order (a
+    concurrent burst, as many clients at the same moment). A call that has not returned by the (scaled) ``timeout``
+    fails the test."""
+    barrier = threading.Barrier(len(calls))
+    results: list = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        barrier.wait()
+        try:
+            results[k] = calls[k]()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(scaled(timeout))
+    assert not [t for t in threads if t.is_alive()], "a call of the burst hung"
+    if errors:
+        raise errors[0]
+    return results

@@ -135,6 +135,20 @@ def _readable(args: tuple) -> bool:
     return isinstance(flags, int) and flags & os.O_ACCMODE == os.O_RDONLY
 
 
+def _probing_libraries() -> bool:
+    """Whether the process being started is ctypes.util.find_library's ``ldconfig -p`` (or its compiler probe):
+    ``import torch`` runs it the first time, whichever test imports torch first. A library looking up the system's
+    shared libraries is not a test starting a process."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "find_library" and frame.f_code.co_filename.endswith(
+            os.path.join("ctypes", "util.py")
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _audit(event: str, args: tuple) -> None:
     if _State.tier is None or _State.tier == "browser":
         return
@@ -145,6 +159,8 @@ def _audit(event: str, args: tuple) -> None:
             if (name in MODEL_FILES or name.endswith(".safetensors")) and _readable(args):
                 _refuse("model", os.fsdecode(path))
     elif event == "subprocess.Popen":
+        if _probing_libraries():
+            return
         program = _program(args)
         _refuse("chromium" if _is_chromium(program, args[1]) else "process", " ".join(map(str, args[1]))[:200])
     elif event == "os.posix_spawn":
