@@ -121,3 +121,11 @@ def test_a_test_file_outside_the_tier_folders_is_refused(pytester):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "test files outside the tier folders" in result.stderr.str() + result.stdout.str()
     assert "tests/test_loose.py" in result.stderr.str() + result.stdout.str()
+
+
+def test_a_library_looking_up_shared_libraries_is_not_a_test_starting_a_process():
+    """``import torch`` runs ctypes.util.find_library's ``ldconfig -p`` the first time: allowed in every tier (this
+    test is in tests/unit), while any other process is not (above)."""
+    import ctypes.util
+
+    assert ctypes.util.find_library("collage-no-such-library") is None
