@@ -54,7 +54,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     synth = {}
     if args.source.startswith("synth:"):
         synth = dict(rows=args.rows, min_images=args.min_images, max_images=args.max_images, seed=args.seed)
-    from collage.training.data.loader import DatasetError
+    from collage.training.data.errors import DatasetError
 
     from .progress import CountProgress
     from .settings import get_settings

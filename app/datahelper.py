@@ -160,7 +160,7 @@ def preview_rows(
     before the first row whose images it cannot afford, and says so in ``notes``."""
     from collage.app.store.images import write_image
     from collage.training.data.display import Budget, bounded
-    from collage.training.data.row_error import RowError
+    from collage.training.data.errors import RowError
     from collage.training.images import BudgetExhausted
 
     rows = []
@@ -230,8 +230,8 @@ def probe(req: dict[str, Any]) -> dict[str, Any]:
     """What a run submitted with this dataset would meet first: its column names, and whether any of its first
     ``rows`` rows is usable (decoded and mapped, nothing written). The API refuses a run before it is created when
     a mapped column is missing or no row it read is usable."""
+    from collage.training.data.errors import RowError
     from collage.training.data.loader import load_dataset
-    from collage.training.data.row_error import RowError
     from collage.training.images import BudgetExhausted, ReadBudget
 
     source, split = req["source"], req.get("split", "train")

@@ -17,7 +17,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from sqlmodel import Session
 
 from collage.training.config import ConfigError, RunConfig, parse_config
-from collage.training.data.row_error import RowError
+from collage.training.data.errors import RowError
 from collage.training.data.rows import normalise_prompt
 from collage.training.images import RASTER_FORMATS, ImageRefused, decode_raster
 from collage.training.models.families import TINY_FAMILIES
@@ -27,7 +27,7 @@ from .models import Run
 from .settings import Settings
 from .store import checkpoints as checkpoint_store
 from .store.checkpoints import CheckpointEntry
-from .trust import TINY, confined, is_hub_id, is_local, outside_message
+from .trust import TINY, is_hub_id, is_local, local_model_violation
 
 # the formats an upload may have: the raster allowlist of training.images, narrowed to what browsers and cameras
 # write (MPO is how Pillow names a multi-picture JPEG, decoded by the same JPEG decoder)
@@ -223,7 +223,7 @@ def base_model_problem(path: str, settings: Settings) -> str | None:
         )
     roots = settings.allowed_model_roots()
     if is_local(path):
-        return None if confined(path, roots) else outside_message("model folder", "COLLAGE_MODEL_ROOTS", roots)
+        return local_model_violation(path, roots)
     what = "a hub id is not downloaded by the playground" if is_hub_id(path) else "a relative path is never read"
     return f"the playground loads tiny:<family> or an absolute model folder under the operator's roots ({what})"
 

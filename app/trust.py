@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from collage.training.config import RunConfig
+from collage.training.confine import folder_escape
+from collage.training.images import resolve_roots
 from collage.training.rewards.builtins import BUILTINS
 from collage.training.rewards.registry import import_path_error
 
@@ -65,13 +67,25 @@ def neither_message(choices: str) -> str:
 
 
 def model_violation(path: str, settings: Settings, kind: str = "model folder") -> str | None:
-    """Why a model path from an API client may not be used, or None (``tiny:``, hub ids, folders under the roots)."""
+    """Why a model path from an API client may not be used, or None (``tiny:``, hub ids, folders under the roots
+    whose every file stays under them)."""
     if TINY.match(path) or is_hub_id(path):
         return None
     if is_local(path):
-        roots = settings.allowed_model_roots()
-        return None if confined(path, roots) else outside_message(kind, "COLLAGE_MODEL_ROOTS", roots)
+        return local_model_violation(path, settings.allowed_model_roots(), kind)
     return neither_message("tiny:<family>, a hub id (org/name)")
+
+
+def local_model_violation(path: str, roots: Sequence[Path], kind: str = "model folder") -> str | None:
+    """Why the local model folder ``path`` may not be loaded, or None: it must lie under ``roots``, and so must
+    every file in it (a ``chat_template.jinja`` or ``model.safetensors`` linked to a file outside is refused: the
+    model's loader would read it)."""
+    folder = confined(path, roots)
+    if folder is None:
+        return outside_message(kind, "COLLAGE_MODEL_ROOTS", roots)
+    if folder.is_dir() and (escape := folder_escape(folder, resolve_roots(roots) or ())) is not None:
+        return f"the {kind} {path} {escape} (COLLAGE_MODEL_ROOTS)"
+    return None
 
 
 def dataset_violation(source: str, settings: Settings) -> str | None:

@@ -10,8 +10,8 @@ from typing import Literal
 import torch
 
 from .batching.encoding import PromptEncoder
+from .data.errors import RowError
 from .data.loader import LoadedDataset
-from .data.row_error import RowError
 from .data.rows import RawRow, Sample
 from .training_error import TrainingError
 

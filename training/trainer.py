@@ -37,8 +37,9 @@ from .checkpoint import rng_state, set_rng_state
 from .checkpointing import Checkpointer, TrainerState
 from .config import AUTO_FULL_CHECK_ROWS, CHECK_SAMPLE_ROWS, RunConfig, TrainSettings
 from .data.check import sample_view
+from .data.errors import DatasetError
 from .data.heldout import HeldOut, load_heldout, training_rows
-from .data.loader import DatasetError, LoadedDataset, load_dataset
+from .data.loader import LoadedDataset, load_dataset
 from .data.mapping import RowMapping
 from .data.rows import Sample
 from .data.rowsource import row_ids

@@ -179,7 +179,7 @@ class Playground:
         """The request as a dataset row: its images read from the artifacts store by hash (confined to it, raster
         formats only) and decoded, its prompt checked against them, exactly as a training row is."""
         from collage.app.store.images import relative_path
-        from collage.training.data.row_error import RowError
+        from collage.training.data.errors import RowError
         from collage.training.data.rows import RawRow
         from collage.training.images import FileMissing, ImageRefused, image_file, read_image_file, resolve_roots
 
@@ -209,7 +209,7 @@ class Playground:
         from collage.training.batching.batch import collate
         from collage.training.batching.forward import base_model
         from collage.training.batching.logprobs import completion_logprobs_and_entropy
-        from collage.training.data.row_error import RowError
+        from collage.training.data.errors import RowError
         from collage.training.generation import generate
 
         tic = time.perf_counter()

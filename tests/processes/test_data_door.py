@@ -91,6 +91,24 @@ def _preview(client, source: str, **params):
     return client.get(API + "/datasets/preview", params={"source": source, **params})
 
 
+def test_a_split_file_linked_to_a_file_outside_is_never_shown(api, tmp_path):
+    """A ``train.csv`` linked to /etc/passwd was shown row by row in a preview: the dataset helper refuses it,
+    naming the file, in the preview and in the check; nothing of the outside file reaches the answer."""
+    client, _, _, _ = api
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "passwd").write_text("prompt,answer\nroot:x:0:0:root:/root:/bin/bash,1\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").symlink_to(outside / "passwd")
+    preview = _preview(client, str(tmp_path / "data"))
+    assert preview.status_code == 400 and "train.csv: leads outside the folders" in preview.json()["detail"], (
+        preview.text
+    )
+    check = client.post(API + "/datasets/check", json={"source": str(tmp_path / "data")})
+    assert check.status_code == 400 and "train.csv: leads outside" in check.json()["detail"], check.text
+    assert "root:x" not in preview.text + check.text
+
+
 def test_preview_refuses_outside_images_and_never_serves_them(api, tmp_path, outside_images):
     client, _, _, _ = api
     rows, existing = escaping_rows(tmp_path, outside_images)

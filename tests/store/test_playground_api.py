@@ -483,3 +483,16 @@ def test_a_checkpoint_row_outside_its_runs_folder_is_never_loaded(play):
     response = client.post(API + "/generate", json=_request(models=[{"run": run, "step": 2}]))
     assert response.status_code == 409 and "not in the run's own folder" in response.json()["detail"]
     assert dispatcher.jobs == []
+
+
+def test_a_base_model_folder_with_a_file_linked_outside_is_refused(play, tmp_path):
+    client, app, dispatcher = play
+    (tmp_path / "outside.txt").write_text("not a model's")
+    model = tmp_path / "models" / "evil"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "chat_template.jinja").symlink_to(tmp_path / "outside.txt")
+    response = client.post(API + "/generate", json=_request(models=[{"path": str(model)}]))
+    path, message = field_error(response)
+    assert path == "models[0].path" and "holds chat_template.jinja, a link that leads outside" in message
+    assert dispatcher.jobs == []

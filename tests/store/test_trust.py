@@ -56,3 +56,31 @@ def test_option_like_values_are_dataset_names_not_options(api, value):
         client.get(API + "/datasets/preview", params={"source": "synth:count-red", "split": value}),
     ]:
         assert 400 <= response.status_code < 500 and "usage:" not in response.text
+
+
+@pytest.mark.parametrize("inside", ["chat_template.jinja", "model.safetensors", "sub/tokenizer.json", "linked-dir"])
+def test_a_model_folder_holding_a_link_out_of_the_roots_is_refused_everywhere_it_is_named(api, tmp_path, inside):
+    """The folder is under COLLAGE_MODEL_ROOTS, one of its files (or folders) links outside: a run naming it, a
+    reward model naming it and a data check with it are refused before anything loads it, naming the file."""
+    client, _, dispatcher, app = api
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("the serve token, say")
+    model = tmp_path / "models" / "evil"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    link = model / inside
+    link.symlink_to(outside if inside == "linked-dir" else outside / "secret.txt")
+    app.state.settings = dataclasses.replace(app.state.settings, model_roots=(tmp_path / "models",))
+    expected = f"holds {inside}, a link that leads outside the folders it may be read from"
+    errors = errors_of(client.post(API + "/runs", json=config(model={"path": str(model)})))
+    assert expected in errors["model.path"], errors
+    reward = errors_of(client.post(API + "/runs", json=config(rewards=[{"name": str(model)}])))
+    assert expected in reward["rewards[0].name"], reward
+    check = client.post(API + "/datasets/check", json={"source": "synth:count-red", "model": str(model)})
+    assert check.status_code == 400 and expected in check.json()["detail"], check.text
+    assert run_count(app) == 0 and dispatcher.submitted == []
+    link.unlink()  # the same folder without the link is a model folder like any other
+    assert "model.path" not in errors_of(
+        client.post(API + "/runs", json=config(model={"path": str(model)}, dataset={"source": "nope"}))
+    )

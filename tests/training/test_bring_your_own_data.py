@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from collage.training.config import DatasetSettings, parse_config
-from collage.training.data.loader import DatasetError, load_dataset
+from collage.training.data.errors import DatasetError
+from collage.training.data.loader import load_dataset
 from collage.training.data.mapping import RowMapping
 from tests.support.datasets import COLOURS, colour_png, mixed_dataset
 

@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 
 from collage.training.config import DatasetSettings
+from collage.training.data.errors import RowError
 from collage.training.data.loader import load_dataset
 from collage.training.data.mapping import RowMapping, guess_columns, parse_columns
-from collage.training.data.row_error import RowError
 from tests.support.datasets import COLOURS, colour_png, mixed_dataset
 
 

@@ -10,7 +10,7 @@ from PIL import Image
 
 from collage.app.cli import main
 from collage.training.data.check import check_dataset
-from collage.training.data.row_error import RowError
+from collage.training.data.errors import RowError
 from collage.training.data.rows import RawRow
 from tests.support.datasets import (
     BAD_ROWS,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from collage.training.data.loader import DatasetError, load_dataset
-from collage.training.data.row_error import RowError
+from collage.training.data.errors import DatasetError, RowError
+from collage.training.data.loader import load_dataset
 from collage.training.data.synth import COLORS, TASKS, SynthError, write_synth
 
 

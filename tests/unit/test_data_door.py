@@ -16,8 +16,8 @@ from PIL import Image
 
 from collage.training.data.check import check_dataset, dataset_fingerprint
 from collage.training.data.display import bounded
+from collage.training.data.errors import DatasetError, RowError
 from collage.training.data.loader import load_dataset
-from collage.training.data.row_error import RowError
 from collage.training.home import cache_dir
 from collage.training.images import RASTER_FORMATS, decode_raster
 from tests.support.hostile_data import (
@@ -209,7 +209,7 @@ def test_a_limited_load_parses_only_its_rows_and_counts_the_rest(tmp_path):
 
 
 def test_a_row_nested_past_the_json_readers_limit_is_a_clear_error(tmp_path):
-    from collage.training.data.row_error import RowError
+    from collage.training.data.errors import RowError
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     (item,) = load_dataset(str(tmp_path)).samples()
@@ -224,3 +224,78 @@ def test_bounded_values_are_json_and_small():
     assert shown["b"] == "<99 bytes>" and shown["k" * 10][-1] == "… (950 more items)"
     assert re.search(r"… \(\d+ more characters\)$", shown["s"])
     assert bounded({"a": [1, "x", None, True, 2.5]}) == {"a": [1, "x", None, True, 2.5]}
+
+
+# ------------------------------------------------------------------------ files inside a dataset folder
+
+
+def _secret(folder: Path) -> Path:
+    """An outside file a link inside the root points at (the real attack read /etc/passwd through a preview)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    secret = folder / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    return secret
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "train.csv", "only.jsonl"])
+def test_a_split_file_linked_outside_the_roots_is_refused_naming_it(tmp_path, name):
+    root, secret = tmp_path / "root", _secret(tmp_path / "outside")
+    (root / "data").mkdir(parents=True)
+    (root / "data" / name).symlink_to(secret)  # only.jsonl: the only data file, the fallback when no train.* exists
+    with pytest.raises(DatasetError, match=rf"{name}: leads outside the folders it may be read from"):
+        load_dataset(str(root / "data"), data_roots=[root], limit=5)
+    with pytest.raises(DatasetError, match="leads outside"):
+        load_dataset(str(root / "data" / name), data_roots=[root])  # the file itself, named as the source
+    # a link that stays inside the roots is read as it always was; unconfined (the operator's own CLI), any link is
+    (root / "inside.jsonl").write_text(json.dumps({"prompt": "inside"}) + "\n")
+    (root / "data" / name).unlink()
+    (root / "data" / "train.jsonl").symlink_to(root / "inside.jsonl")
+    assert [
+        s.prompt[0]["content"][0]["text"] for s in load_dataset(str(root / "data"), data_roots=[root]).samples()
+    ] == ["inside"]
+
+
+def test_a_split_that_is_a_fifo_is_refused_instead_of_blocking(tmp_path):
+    import os
+
+    (tmp_path / "data").mkdir()
+    os.mkfifo(tmp_path / "data" / "train.jsonl")
+    with pytest.raises(DatasetError, match="train.jsonl: is not a regular file"):
+        load_dataset(str(tmp_path / "data"), data_roots=[tmp_path])
+
+
+def _saved(folder: Path, splits: bool) -> Path:
+    import datasets
+
+    data = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
+    (datasets.DatasetDict({"train": data}) if splits else data).save_to_disk(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("splits", [False, True], ids=["dataset", "dataset_dict"])
+def test_a_saved_dataset_whose_state_names_a_file_outside_is_refused(tmp_path, splits):
+    """``state.json``'s ``_data_files`` honoured ``../``: rows from outside were trained into a rollout table other
+    members can read. A name with a folder in it is refused before ``datasets`` opens anything."""
+    root = tmp_path / "root"
+    saved = _saved(root / "saved", splits)
+    outside = _saved(tmp_path / "outside" / "other", False)
+    split = saved / "train" if splits else saved
+    state = json.loads((split / "state.json").read_text())
+    escape = Path("..", *([".."] if splits else []), "..", "outside", "other") / state["_data_files"][0]["filename"]
+    assert (split / escape).resolve().is_file() and (split / escape).resolve().is_relative_to(outside)
+    state["_data_files"][0]["filename"] = str(escape)
+    (split / "state.json").write_text(json.dumps(state))
+    with pytest.raises(DatasetError, match="_data_files must be plain file names in its folder"):
+        load_dataset(str(saved), data_roots=[root])
+
+
+def test_a_saved_datasets_arrow_file_linked_outside_is_refused(tmp_path):
+    root = tmp_path / "root"
+    saved = _saved(root / "saved", False)
+    outside = _saved(tmp_path / "outside" / "other", False)
+    arrow = next(saved.glob("*.arrow"))
+    arrow.unlink()
+    arrow.symlink_to(next(outside.glob("*.arrow")))
+    with pytest.raises(DatasetError, match=rf"{arrow.name}: leads outside"):
+        load_dataset(str(saved), data_roots=[root])
+    assert len(load_dataset(str(saved)).rows) == 2  # unconfined (the operator's own CLI): as datasets reads it

@@ -61,7 +61,8 @@ def test_docs_errors_names_every_class(tier):
 
 def test_a_re_raised_error_keeps_its_cause(tmp_path):
     """The reader gets one line; whoever debugs it gets the original exception as the cause."""
-    from collage.training.data.loader import DatasetError, load_dataset
+    from collage.training.data.errors import DatasetError
+    from collage.training.data.loader import load_dataset
 
     (tmp_path / "train.csv").write_bytes(b"prompt,answer\n\xff\xfe,1\n")
     with pytest.raises(DatasetError) as info:

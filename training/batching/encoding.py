@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..data.row_error import RowError
+from ..data.errors import RowError
 from ..data.rows import Sample
 from ..models.families import Family
 from .layouts import Pixels, pixel_key

@@ -25,8 +25,8 @@ from ..encoders import prompt_encoder_for
 from ..home import collage_home
 from ..images import ImageRefused, image_file
 from ..objectstore import ARTIFACTS_ENV, ENDPOINT_ENV, ObjectMirror, mirror_for
+from .errors import RowError
 from .loader import LoadedDataset, load_dataset
-from .row_error import RowError
 from .rows import RawRow, Sample, image_source
 
 log = logging.getLogger("collage.training")

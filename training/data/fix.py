@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from .errors import RowError
 from .loader import LoadedDataset
-from .row_error import RowError
 
 
 class FixError(InputError):

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import DatasetSettings
-from .loader import DatasetError, LoadedDataset, load_dataset
+from .errors import DatasetError
+from .loader import LoadedDataset, load_dataset
 from .rows import RawRow
 from .rowsource import ExcludingView, RowView, positions_of, row_ids
 

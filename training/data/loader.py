@@ -13,7 +13,12 @@ Sources, in the order they are tried:
 - anything else is treated as a hub dataset id and handed to ``datasets.load_dataset`` (needs internet).
 
 Image paths inside rows are confined to ``data_roots`` (the operator's ``COLLAGE_DATA_ROOTS``; None: unconfined,
-the operator's own CLI only) when an image is opened (:mod:`training.images`). A row that cannot even be parsed
+the operator's own CLI only) when an image is opened (:mod:`training.images`), and so is every file the loader
+opens in a dataset folder (:mod:`training.confine`): the split's files, the only-data-file fallback, a snapshot's
+card and data files, a ``save_to_disk`` folder's ``dataset_dict.json`` and each split's ``state.json``,
+``dataset_info.json`` and arrow files (``state.json`` names them: a name with a folder in it, ``../`` included, is
+refused); a file that leads outside the roots (a symbolic link), or is not a regular file, refuses the dataset
+naming the file. A row that cannot even be parsed
 (a malformed JSONL line) is a bad row with its file and line, like any other: the rest are still read. Rows from ``datasets`` are read in
 its arrow format, so that ``datasets`` never decodes a column itself: an ``Image`` feature would open whatever
 path the data names, in any format Pillow knows; Collage opens it instead, confined and raster-only.
@@ -27,25 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import InputError
+from ..confine import file_problem
 from ..images import resolve_roots
-from .row_error import RowError
+from .errors import DatasetError, RowError
 from .rows import RawRow, Sample
 from .rowsource import ArrowRows, ChainRows, JsonlRows, ParquetRows, RowSeq, parse_jsonl_line
 
 Roots = tuple[Path, ...] | None
-
-
-class DatasetError(InputError):
-    """The dataset cannot be used; ``errors`` lists every bad row when that is the reason."""
-
-    def __init__(self, message: str, errors: list[RowError] | None = None):
-        self.errors = errors or []
-        if self.errors:
-            shown = "\n".join(f"  {e}" for e in self.errors[:20])
-            more = f"\n  ... and {len(self.errors) - 20} more" if len(self.errors) > 20 else ""
-            message = f"{message}\n{shown}{more}"
-        super().__init__(message)
 
 
 @dataclass
@@ -136,6 +129,7 @@ def _load(
     path = Path(source).expanduser()
     rows: Sequence[RawRow]
     if path.is_file():
+        path = _confined(path, roots)
         if limit is None:
             whole = _whole_file(path, roots, 0)
             return _loaded(source, split, whole, [path], roots, len(whole), limit)
@@ -143,15 +137,18 @@ def _load(
         return _loaded(source, split, rows, [path], roots, total, limit)
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-            saved = sorted(p for p in path.rglob("*") if p.is_file())
+            saved = _saved_files(path, roots)
             rows, total = _read_saved(path, split, roots, limit)
             return _loaded(source, split, rows, saved, roots, total, limit)
         from .snapshot import SnapshotError, snapshot_files
 
+        if (path / "README.md").exists():
+            _confined(path / "README.md", roots)  # the card a snapshot's configurations are read from
         try:
-            files = snapshot_files(path, split, config_name) or _split_files(path, split)
+            found = snapshot_files(path, split, config_name) or _split_files(path, split)
         except SnapshotError as exc:
             raise DatasetError(str(exc)) from exc
+        files = [_confined(file, roots) for file in found]
         if limit is None:
             rows = _whole_split(files, roots)
             return _loaded(source, split, rows, files, roots, len(rows), limit)
@@ -166,6 +163,58 @@ def _load(
         raise DatasetError(f"dataset source {source!r} does not exist")
     rows, total = _read_hub(source, split, roots, limit, config_name)
     return _loaded(source, split, rows, None, roots, total, limit)
+
+
+def _confined(file: Path, roots: Roots) -> Path:
+    """``file``, once it is known to resolve under the roots to a regular file; :class:`DatasetError` naming it when
+    it leads outside them or is not a regular file. (It stays named as the folder names it: the images its rows
+    name are relative to the folder it is in, a link's folder included.)"""
+    _, problem = file_problem(file, roots)
+    if problem is not None:
+        raise DatasetError(f"{file}: {problem}")
+    return file
+
+
+def _saved_files(folder: Path, roots: Roots) -> list[Path]:
+    """Every file ``datasets.load_from_disk`` reads in a ``save_to_disk`` folder, each confined: the splits'
+    ``state.json`` and ``dataset_info.json``, and the data files ``state.json`` names (plain names: a path in one,
+    ``../`` included, would be opened outside the folder)."""
+    splits = [folder]
+    if (folder / "dataset_dict.json").exists():
+        listed = _json_file(_confined(folder / "dataset_dict.json", roots)).get("splits", [])
+        if not isinstance(listed, list) or not all(isinstance(n, str) and _plain_name(n) for n in listed):
+            raise DatasetError(f"{folder / 'dataset_dict.json'}: its splits must be plain folder names: {listed!r}")
+        splits = [folder / name for name in listed]
+    files = []
+    for split in splits:
+        state_file = _confined(split / "state.json", roots)
+        files.append(state_file)
+        if (split / "dataset_info.json").exists():
+            files.append(_confined(split / "dataset_info.json", roots))
+        entries = _json_file(state_file).get("_data_files", [])
+        names = [e.get("filename") for e in entries if isinstance(e, dict)] if isinstance(entries, list) else None
+        if names is None or not all(isinstance(n, str) and _plain_name(n) for n in names):
+            raise DatasetError(
+                f"{split / 'state.json'}: its _data_files must be plain file names in its folder: {entries!r}"
+            )
+        files.extend(_confined(split / name, roots) for name in names)
+    return files
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and Path(name).name == name and name not in (".", "..") and "\\" not in name
+
+
+def _json_file(file: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        loaded = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise DatasetError(f"{file}: not a readable JSON file ({exc})") from exc
+    if not isinstance(loaded, dict):
+        raise DatasetError(f"{file}: not a JSON object")
+    return loaded
 
 
 def _whole_split(files: list[Path], roots: Roots) -> Sequence[RawRow]:

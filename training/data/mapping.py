@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import IMAGES_MARKER, DatasetSettings, template_fields
-from .row_error import RowError
+from .errors import RowError
 
 # columns that are the row's prompt and images, never passed to the rewards as columns of their own
 PROMPT_COLUMN, IMAGES_COLUMN, IMAGE_COLUMN, ANSWER_COLUMN, COMPLETION_COLUMN = (

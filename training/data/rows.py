@@ -24,8 +24,8 @@ from ..images import (
     image_file,
     read_image_file,
 )
+from .errors import RowError
 from .mapping import RowMapping
-from .row_error import RowError
 
 ROLES = ("system", "user", "assistant")
 
