@@ -94,8 +94,27 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
 
 
 def _add_exception_handlers(app: FastAPI) -> None:
+    from collage.training.objectstore import StorageError
+
     app.exception_handler(RequestValidationError)(_validation)
     app.exception_handler(StarletteHTTPException)(_http)
+    app.exception_handler(StorageError)(_storage)
+
+
+# how long a client is told to wait when the artifacts' bucket does not answer
+STORAGE_RETRY_AFTER = 30
+
+
+async def _storage(_request: Request, exc: Exception) -> JSONResponse:
+    """The artifacts' bucket failed a request: 503 with Retry-After when it does not answer (it may come back), 502
+    when what it holds cannot be used (a file not matching its manifest, a manifest naming a file outside its
+    folder): never a 500, and the reason is said."""
+    from collage.training.objectstore import StorageUnreachable
+
+    if isinstance(exc, StorageUnreachable):
+        return JSONResponse(status_code=503, content={"detail": f"the artifacts' bucket is unreachable: {exc}"},
+                            headers={"Retry-After": str(STORAGE_RETRY_AFTER)})  # fmt: skip
+    return JSONResponse(status_code=502, content={"detail": f"the artifacts' bucket holds something unusable: {exc}"})
 
 
 async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

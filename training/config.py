@@ -191,6 +191,9 @@ def template_fields(template: str) -> list[str]:
     return fields
 
 
+TEMPLATE_FIELDS_MAX = 64  # dataset.prompt_template: {column} fields a template may have
+# dataset.prompt_template: the longest prompt (characters) one row's rendering may make
+PROMPT_MAX_CHARS = 1_000_000
 CHECK_SAMPLE_ROWS = 2_000  # dataset.check: sample checks this many rows before training
 AUTO_FULL_CHECK_ROWS = 100_000  # dataset.check: auto checks every row of a split up to this size
 
@@ -310,6 +313,11 @@ class DatasetSettings(_Strict):
             fields = template_fields(value)
             if fields.count(IMAGES_MARKER) > 1:
                 raise ValueError("{images} may appear once (it places all of the row's images)")
+            if len(fields) > TEMPLATE_FIELDS_MAX:
+                raise ValueError(
+                    f"{len(fields)} {{column}} fields, more than the {TEMPLATE_FIELDS_MAX} a template may have (each "
+                    "copies a cell into every row's prompt)"
+                )
         return value
 
     @model_validator(mode="after")

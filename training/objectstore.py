@@ -52,7 +52,16 @@ CHUNK = 1 << 20
 
 
 class StorageError(RunError):
-    """The object store could not be reached (or refused a request) for longer than the retry window."""
+    """The object store could not be used: unreachable past the retry window, or what it holds cannot be."""
+
+
+class StorageUnreachable(StorageError):
+    """The object store did not answer (or kept failing) for longer than the retry window: it may come back."""
+
+
+class StorageDamaged(StorageError):
+    """What the bucket holds cannot be used: a file missing from its folder or not matching the manifest, a
+    manifest naming a file outside its folder. Asking again gets the same answer."""
 
 
 @dataclass(frozen=True)
@@ -198,7 +207,7 @@ class ObjectMirror:
                     raise
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise StorageError(
+                    raise StorageUnreachable(
                         f"object storage {self.where}: {what} failed for {self.retry_for:.0f} s: {exc}"
                     ) from exc
                 # an outage is seen in the log as it happens (each try), not only when the retry window runs out
@@ -382,9 +391,9 @@ class ObjectMirror:
             for name, entry in _checked_names(manifest["files"], rel).items():
                 target = tmp / name
                 if not self.fetch_file(f"{rel}/{name}", target):
-                    raise StorageError(f"object storage {self.where}: {rel}/{name} is in the manifest but missing")
+                    raise StorageDamaged(f"object storage {self.where}: {rel}/{name} is in the manifest but missing")
                 if target.stat().st_size != entry["size"] or _sha256_file(target) != entry["sha256"]:
-                    raise StorageError(f"object storage {self.where}: {rel}/{name} does not match its manifest")
+                    raise StorageDamaged(f"object storage {self.where}: {rel}/{name} does not match its manifest")
             shutil.rmtree(dest, ignore_errors=True)
             os.replace(tmp, dest)
         finally:
@@ -411,7 +420,7 @@ def _checked_names(files: Mapping[str, Any], rel: str) -> dict[str, Any]:
     for name in files:
         parts = Path(name).parts
         if not name or Path(name).is_absolute() or ".." in parts or "\x00" in name:
-            raise StorageError(f"the manifest of {rel} names a file outside its folder: {name!r}")
+            raise StorageDamaged(f"the manifest of {rel} names a file outside its folder: {name!r}")
     return dict(files)
 
 

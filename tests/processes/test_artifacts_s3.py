@@ -151,6 +151,42 @@ def test_a_checkpoint_removed_from_the_bucket_is_410_not_a_500(s3, tmp_path):
     assert "gone" in response.json()["detail"]
 
 
+@pytest.mark.parametrize("damage", ["a name outside", "a file that differs"])
+def test_a_checkpoint_whose_bucket_copy_is_damaged_is_a_502_naming_it_not_a_500(s3, tmp_path, damage):
+    """A MANIFEST.json tampered to name ``../`` files, or a file that no longer matches its manifest: nothing is
+    written outside the web node's cache, and the download says what is wrong with the bucket's copy."""
+    import json
+
+    client, web, worker, _ = s3
+    run, _ = _run_with_images(client, worker)
+    _checkpoint_on_worker(worker, web, run, 1, tmp_path)
+    bucket, rel = web.mirror(), f"runs/{run}/attempt-1/checkpoints/step-1"
+    if damage == "a name outside":
+        manifest = bucket.manifest(rel)
+        manifest["files"]["../../../escaped.txt"] = next(iter(manifest["files"].values()))
+        bucket.put_bytes(f"{rel}/MANIFEST.json", json.dumps(manifest).encode())
+        expected = "names a file outside its folder"
+    else:
+        bucket.put_bytes(f"{rel}/model/config.json", b'{"tampered": true}')
+        expected = "does not match its manifest"
+    response = client.get(f"{API}/runs/{run}/checkpoints/1/download")
+    assert response.status_code == 502, response.text
+    assert expected in response.json()["detail"] and "bucket" in response.json()["detail"]
+    assert not list(web.artifacts.parent.rglob("escaped.txt"))
+
+
+def test_a_checkpoint_download_while_the_bucket_is_unreachable_is_503_with_retry_after(s3, tmp_path):
+    from tests.support.services import free_port
+
+    client, web, worker, app = s3
+    run, _ = _run_with_images(client, worker)
+    _checkpoint_on_worker(worker, web, run, 1, tmp_path)
+    app.state.settings = replace(web, s3_endpoint_url=f"http://127.0.0.1:{free_port()}", s3_retry_for=1)
+    response = client.get(f"{API}/runs/{run}/checkpoints/1/download")
+    assert response.status_code == 503 and response.headers["retry-after"], response.text
+    assert "unreachable" in response.json()["detail"]
+
+
 def test_a_store_row_naming_a_path_outside_the_runs_folder_is_refused_with_object_storage(s3, tmp_path):
     client, web, worker, _ = s3
     run, _ = _run_with_images(client, worker)

@@ -121,3 +121,30 @@ def test_model_folder_missing_its_image_processor_is_refused(tiny_model_dir, tmp
     (folder / "processor_config.json").unlink()
     with pytest.raises(ProcessorError, match="broken"):
         load_processor(str(folder))
+
+
+def test_a_model_whose_chat_template_never_ends_makes_its_rows_unusable_naming_the_bound(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A model folder (or hub id) brings its chat template: one that loops for ever is stopped by Collage's bound
+    on a rendering, through the real processor's apply_chat_template, as a row error the check and the trainer
+    report."""
+    import shutil
+
+    from collage.training import templates
+    from collage.training.batching.encoding import PromptEncoder
+    from collage.training.data.errors import RowError
+    from collage.training.data.rows import Sample
+    from collage.training.models.loading import load_processor
+
+    folder = tmp_path / "looping"
+    shutil.copytree(tiny_model_dir("qwen2-vl"), folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
+    )
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 0.5)
+    processor, family = load_processor(str(folder))
+    encoder = PromptEncoder(processor, family)
+    sample = Sample(row=7, prompt=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], images=[])
+    with pytest.raises(RowError, match=r"row 7: the model's chat template ran for more than"):
+        encoder.render(sample)

@@ -15,6 +15,8 @@ from typing import Any
 from ..data.errors import RowError
 from ..data.rows import Sample
 from ..models.families import Family
+from ..templates import TemplateLimit
+from ..templates import install as install_template_bounds
 from .layouts import Pixels, pixel_key
 
 
@@ -99,6 +101,7 @@ class PromptEncoder:
     """Turns a :class:`Sample` into an :class:`EncodedPrompt` for one model's processor."""
 
     def __init__(self, processor: Any, family: Family, max_prompt_length: int | None = None):
+        install_template_bounds()
         self.processor = processor
         self.family = family
         self.max_prompt_length = max_prompt_length
@@ -107,7 +110,12 @@ class PromptEncoder:
         self.image_token_id = processor.tokenizer.convert_tokens_to_ids(family.image_token)
 
     def render(self, sample: Sample) -> str:
-        return self.processor.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=False)
+        """The row's prompt through the model's chat template, rendered within Collage's bounds
+        (:mod:`training.templates`): a template past them makes the row unusable, saying so."""
+        try:
+            return self.processor.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=False)
+        except TemplateLimit as exc:
+            raise RowError(sample.row, str(exc)) from exc
 
     def encode(self, sample: Sample) -> EncodedPrompt:
         text = self.render(sample)

@@ -19,7 +19,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import IMAGES_MARKER, DatasetSettings, template_fields
+from ..config import IMAGES_MARKER, PROMPT_MAX_CHARS, DatasetSettings, template_fields
 from .errors import RowError
 
 # columns that are the row's prompt and images, never passed to the rewards as columns of their own
@@ -192,7 +192,13 @@ def _render(row: int, template: str, data: dict[str, Any], num_images: int) -> l
                 row, f"no column {name!r} (dataset.prompt_template uses it); the row's columns: {_names(data)}"
             )
         value = data[name]
-        text += "" if value is None else value if isinstance(value, str) else str(value)
+        cell = "" if value is None else value if isinstance(value, str) else str(value)
+        if len(text) + len(cell) > PROMPT_MAX_CHARS:  # refused before it is made: a cell copied thousands of times
+            raise RowError(
+                row, f"dataset.prompt_template makes a prompt of more than {PROMPT_MAX_CHARS} characters from this row "
+                "(Collage's bound on one prompt): the template copies long cells too many times",
+            )  # fmt: skip
+        text += cell
     if text:
         parts.append({"type": "text", "text": text})
     if not placed:

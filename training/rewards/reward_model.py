@@ -17,6 +17,9 @@ class TextRewardModel:
     def __init__(self, path: str, on_images: str = "error", device: str | torch.device = "cpu", batch_size: int = 16):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from ..templates import install as install_template_bounds
+
+        install_template_bounds()  # its chat template is the reward model folder's code too
         self.path = path
         self.on_images = on_images
         self.tokenizer = AutoTokenizer.from_pretrained(path)
