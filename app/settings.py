@@ -177,7 +177,10 @@ class Settings:
         return self.data_roots or (self.home,)
 
     def allowed_model_roots(self) -> tuple[Path, ...]:
-        return self.model_roots or (self.home,)
+        """COLLAGE_MODEL_ROOTS, or where models are kept in COLLAGE_HOME: ``models/`` (the operator's) and
+        ``cache/models/`` (tiny models Collage builds). Never COLLAGE_HOME itself: it holds the store, the broker
+        and the serve token, none of them a model."""
+        return self.model_roots or default_model_roots(self.home)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -229,6 +232,10 @@ class Settings:
             upload_budget_mb=int(os.environ.get("COLLAGE_UPLOAD_BUDGET_MB", 10240)),
             data_helper_idle=float(os.environ.get("COLLAGE_DATA_HELPER_IDLE", 600.0)),
         )
+
+
+def default_model_roots(home: Path) -> tuple[Path, ...]:
+    return (home / "models", home / "cache" / "models")
 
 
 @lru_cache(maxsize=1)

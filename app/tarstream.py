@@ -7,8 +7,9 @@ headers written here with :meth:`tarfile.TarInfo.tobuf`, then each file's bytes 
 The folder is data from the store (a path a worker recorded), so it is opened as untrusted:
 
 - :func:`plan` first lists it through a descriptor of the folder itself, never following a symbolic link: a link
-  anywhere inside (to ``/etc/shadow``, to another run's checkpoint, to a folder outside) or a FIFO, socket or device
-  refuses the whole folder (:class:`UnsafeFolder`, naming the entry) before a byte is sent. Collage never writes a
+  anywhere inside (to ``/etc/shadow``, to another run's checkpoint, to a folder outside), a file with more than one
+  hard link (the same file elsewhere on the disk), a name with a backslash or a control character, or a FIFO, socket
+  or device refuses the whole folder (:class:`UnsafeFolder`, naming the entry) before a byte is sent. Collage never writes a
   link inside a model folder, so one is a sign of tampering, not something to skip quietly.
 - :func:`stream` then opens every file again relative to the descriptor of its folder, component by component,
   with ``O_NOFOLLOW``: a link swapped in after the listing is refused too (the download then stops short, which a
@@ -109,6 +110,9 @@ def _walk(fd: int, parts: tuple[str, ...], prefix: str, entries: list[Entry]) ->
     for child in children:
         here = (*parts, child.name)
         shown = "/".join(here)
+        if not _plain_entry_name(child.name):
+            raise UnsafeFolder(f"{shown!r} has a name a tar reader could take for a path (a backslash or a control "
+                               "character): refused")  # fmt: skip
         info = child.stat(follow_symlinks=False)
         name = f"{prefix}/{shown}"
         if stat.S_ISLNK(info.st_mode):
@@ -121,10 +125,19 @@ def _walk(fd: int, parts: tuple[str, ...], prefix: str, entries: list[Entry]) ->
             finally:
                 os.close(sub)
         elif stat.S_ISREG(info.st_mode):
+            if info.st_nlink > 1:  # Collage never hard-links a file into a model folder: this one is also elsewhere
+                raise UnsafeFolder(f"{shown} has {info.st_nlink} hard links: a file linked from outside the folder is "
+                                   "not served")  # fmt: skip
             size, mtime = info.st_size, int(info.st_mtime)
             entries.append(Entry(here, False, size, mtime, _header(name, False, size, mtime)))
         else:
             raise UnsafeFolder(f"{shown} is not a regular file or folder (a device, FIFO or socket)")
+
+
+def _plain_entry_name(name: str) -> bool:
+    """A name a tar reader on any system takes as one name: no backslash (Windows' separator: ``..\\..\\x``) and no
+    control character."""
+    return "\\" not in name and not any(ord(c) < 32 or ord(c) == 127 for c in name)
 
 
 def _open_file(root_fd: int, parts: tuple[str, ...]) -> int:

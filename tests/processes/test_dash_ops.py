@@ -1,10 +1,11 @@
 """Operations (issue 13) with real processes: a worker's GPU probe reads a stand-in nvidia-smi and never fails, the
-dataset helper process starts again after dying and after a timeout, and the client's values reach it as data
+dataset helper process starts again after dying and after freezing (a timeout), and the client's values reach it as data
 (JSON fields of a request, on SQLite and PostgreSQL), never as arguments."""
 
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import sys
 
@@ -35,7 +36,13 @@ def test_dataset_helper_restarts_after_dying_and_after_a_timeout(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"prompt": "hello"}\n{"prompt": 3}\n')
     env = {**os.environ, "COLLAGE_DATA_HELPER_IDLE": "60"}
     helper = DataHelper(env)
-    job = {"op": "preview", "source": str(tmp_path), "rows": 5, "artifacts": str(tmp_path / "art")}
+    job = {
+        "op": "preview",
+        "source": str(tmp_path),
+        "rows": 5,
+        "artifacts": str(tmp_path / "art"),
+        "data_roots": [str(tmp_path)],  # the helper believes only the roots the web process sends
+    }
     try:
         first = helper.call(job)
         assert first["ok"] and [r["row"] for r in first["result"]["rows"]] == [0, 1]
@@ -47,11 +54,9 @@ def test_dataset_helper_restarts_after_dying_and_after_a_timeout(tmp_path):
         assert again == first and helper.proc.pid != pid
         missing = helper.call({**job, "source": str(tmp_path / "nope")})
         assert missing["ok"] is False and "does not exist" in missing["error"]
-        stuck = tmp_path / "stuck"
-        stuck.mkdir()
-        os.mkfifo(stuck / "data.jsonl")  # reading it blocks until someone writes: a dataset that never ends
+        os.kill(helper.proc.pid, signal.SIGSTOP)  # a frozen helper: it reads the request and never answers
         with pytest.raises(HTTPException) as timed_out:
-            helper.call({**job, "source": str(stuck)}, timeout=1)
+            helper.call(job, timeout=1)
         assert timed_out.value.status_code == 504 and "longer than 1s" in timed_out.value.detail
         assert helper.proc is None  # killed; the next request starts a fresh helper
         assert helper.call(job) == first

@@ -22,14 +22,15 @@ API = "/api/v1"
 
 def test_inside_paths_are_accepted(api, tmp_path):
     client, _, dispatcher, _ = api
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    models = tmp_path / "models"  # COLLAGE_HOME/models: a default model root
+    (models / "sub").mkdir(parents=True)
+    (models / "model").mkdir()
+    (models / "model" / "config.json").write_text("{}")
     (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "hello"}) + "\n")
     body = config(
-        model={"path": f"{tmp_path}/sub/../model"},
+        model={"path": f"{models}/sub/../model"},
         dataset={"source": str(tmp_path / "data.jsonl")},
-        rewards=[{"name": str(tmp_path / "model")}],
+        rewards=[{"name": str(models / "model")}],
     )
     response = client.post(API + "/runs", json=body)
     assert response.status_code == 201, response.text

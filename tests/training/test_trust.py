@@ -39,10 +39,11 @@ def test_the_trainer_enforces_the_allowlist_at_import():
 def test_config_violations_is_the_workers_check(tmp_path, outside_folder):
     settings = Settings(home=tmp_path, database_url="sqlite://", broker_url="memory://", artifacts=tmp_path / "a",
                         reward_modules=(ALLOWED,))  # fmt: skip
-    (tmp_path / "model").mkdir()
+    (tmp_path / "models" / "model").mkdir(parents=True)  # COLLAGE_HOME/models: a default model root
     fine = parse_config(
-        config(model={"path": str(tmp_path / "model")}, rewards=[{"name": "accuracy"}, {"name": f"{ALLOWED}:sleepy"}])
-    )
+        config(model={"path": str(tmp_path / "models" / "model")},
+               rewards=[{"name": "accuracy"}, {"name": f"{ALLOWED}:sleepy"}])
+    )  # fmt: skip
     assert config_violations(fine, settings) == []
     bad = parse_config(
         config(

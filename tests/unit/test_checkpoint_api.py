@@ -26,3 +26,31 @@ def test_a_link_swapped_in_after_the_listing_stops_the_stream_without_the_outsid
         for chunk in tarstream.stream(plan):
             sent += chunk
     assert b"a" * 10 in sent and b"S" * 10 not in sent
+
+
+def test_a_file_hard_linked_from_elsewhere_is_refused_before_a_byte_is_sent(tmp_path):
+    """A hard link is no symbolic link: the same outside file under a name inside the folder. Collage never makes
+    one in a model folder, so one is refused, naming it."""
+    import os
+
+    from collage.app import tarstream
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the serve token, say")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    os.link(outside, folder / "tokenizer.json")
+    with pytest.raises(tarstream.UnsafeFolder, match="tokenizer.json has 2 hard links"):
+        tarstream.plan(folder, "x")
+
+
+@pytest.mark.parametrize("name", ["..\\..\\evil.txt", "bell\x07.txt", "line\nbreak.txt"])
+def test_a_name_a_tar_reader_could_take_for_a_path_is_refused(tmp_path, name):
+    from collage.app import tarstream
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / name).write_text("x")
+    with pytest.raises(tarstream.UnsafeFolder, match="backslash or a control character"):
+        tarstream.plan(folder, "x")
