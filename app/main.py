@@ -219,10 +219,15 @@ def api_docs_html(title: str, openapi_url: str) -> str:
   <script src="/static/theme.js"></script>
   <link rel="icon" type="image/png" href="{SWAGGER_UI}/favicon-32x32.png">
   <link rel="stylesheet" href="{SWAGGER_UI}/swagger-ui.css">
+  <link rel="stylesheet" href="/static/api-docs.css">
   <script src="{SWAGGER_UI}/swagger-ui-bundle.js" defer></script>
   <script src="/static/api-docs.js" defer></script>
 </head>
 <body>
+  <nav class="api-docs-back" aria-label="Collage">
+    <a href="/runs">&larr; Back to Collage</a> &middot; <a href="/runs">Runs</a> &middot; <a href="/launch">Launch</a>
+    &middot; <a href="/playground">Playground</a>
+  </nav>
   <div id="swagger-ui" data-openapi-url="{escape(openapi_url)}"></div>
 </body>
 </html>

@@ -48,6 +48,8 @@ class Run(SQLModel, table=True):
         default=None, sa_column=Column(String(32), ForeignKey("runs.id", ondelete="SET NULL"), nullable=True)
     )
     notes: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # free text, editable (0006)
+    # the current attempt's recent mean step time (0010); null until it finished a step: the time left comes from it
+    seconds_per_step: float | None = None
 
 
 class RunTag(SQLModel, table=True):
@@ -249,6 +251,9 @@ class Worker(SQLModel, table=True):
     last_seen: datetime = Field(default_factory=utcnow)
     # per visible GPU: {"index", "name", "memory_total_mb", "memory_used_mb", "utilization"} when known (0006)
     gpu_info: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    # per file system holding the worker's home and artifacts: {"paths": {name: path}, "free_bytes", "total_bytes"},
+    # measured at its last heartbeat (0011)
+    disk_info: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class MetricRollup(SQLModel, table=True):

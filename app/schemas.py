@@ -69,6 +69,11 @@ class RunOut(BaseModel):
     parent_id: str | None
     created_by: str | None = Field(None, description="the name of the API token that created the run")
     latest_reward: float | None = None
+    seconds_per_step: float | None = Field(
+        None,
+        description="the mean time of the current attempt's recent steps (evaluations included), as its training "
+        "process measured them; null until the attempt finished a step. Time left: (max_steps - step) x this",
+    )
     eval_reward: float | None = Field(
         None, description="the latest `eval/reward` (held-out evaluation); null when the run has none yet"
     )
@@ -76,6 +81,17 @@ class RunOut(BaseModel):
         None,
         description="the best `eval/reward` so far: the highest, or the lowest when the run ranks checkpoints by "
         "eval/reward (train.metric_for_best_model) with train.greater_is_better false; null when it has none",
+    )
+    eval_metric: str | None = Field(
+        None,
+        description="the evaluation metric the run picks its best checkpoint by (train.metric_for_best_model, e.g. "
+        "eval/accuracy); null when it ranks by none",
+    )
+    eval_metric_value: float | None = Field(None, description="the latest value of `eval_metric`; null before one")
+    best_eval_metric: float | None = Field(
+        None,
+        description="the best value of `eval_metric` so far (by train.greater_is_better: the checkpoint `best` "
+        "names); null before one",
     )
     url: str
     config: dict[str, Any] | None = None

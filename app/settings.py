@@ -112,6 +112,8 @@ class Settings:
     s3_presign: int = 0
     s3_public_url: str | None = None  # the endpoint browsers reach, for presigned URLs (default: s3_endpoint_url)
     s3_retry_for: float = 120.0  # seconds an object-storage call retries an unreachable server before failing
+    # seconds a web request waits for the bucket (an image fetched into the cache, a thumbnail) before it answers 503
+    s3_request_wait: float = 15.0
     cache_max_gb: float = 20.0  # with object storage: the most this host's cache of the bucket keeps (0: no bound)
     max_body_bytes: int = 1_048_576  # request bodies above this are refused (413)
     heartbeat_interval: float = 5.0  # seconds between a running run's heartbeats
@@ -139,6 +141,9 @@ class Settings:
     # 0 for `collage worker` (a dedicated training host)
     train_nice: int | None = None
     requeue_after: float = 60.0  # a run queued this long without a message in the broker is sent again
+    # seconds a training process may take to start (imports, checkpoint download) before its own heartbeat runs; a
+    # process not ready by then is killed and its run fails (docs/workers.md)
+    child_start_timeout: float = 3600.0
     min_free_disk_mb: int = 1024  # /health reports a disk (home, artifacts, SQLite store) with less free as low
     # --- the playground (issue 18; docs/playground.md) ---
     # seconds a worker's playground process keeps its model(s) loaded without a request, then exits (memory back)
@@ -202,6 +207,7 @@ class Settings:
             s3_presign=int(os.environ.get("COLLAGE_S3_PRESIGN") or 0),
             s3_public_url=os.environ.get("COLLAGE_S3_PUBLIC_URL") or None,
             s3_retry_for=retry_for_of(os.environ),
+            s3_request_wait=float(os.environ.get("COLLAGE_S3_REQUEST_WAIT") or 15.0),
             cache_max_gb=float(os.environ.get("COLLAGE_CACHE_MAX_GB") or 20.0),
             heartbeat_interval=float(os.environ.get("COLLAGE_HEARTBEAT_INTERVAL", 5.0)),
             heartbeat_timeout=float(os.environ.get("COLLAGE_HEARTBEAT_TIMEOUT", 60.0)),
@@ -220,6 +226,7 @@ class Settings:
             db_lock_timeout=float(os.environ.get("COLLAGE_DB_LOCK_TIMEOUT", 10.0)),
             train_nice=_nice(os.environ.get("COLLAGE_TRAIN_NICE")),
             requeue_after=float(os.environ.get("COLLAGE_REQUEUE_AFTER", 60.0)),
+            child_start_timeout=float(os.environ.get("COLLAGE_CHILD_START_TIMEOUT") or 3600.0),
             min_free_disk_mb=int(os.environ.get("COLLAGE_MIN_FREE_DISK_MB", 1024)),
             playground_ttl=float(os.environ.get("COLLAGE_PLAYGROUND_TTL", 600.0)),
             playground_timeout=float(os.environ.get("COLLAGE_PLAYGROUND_TIMEOUT", 900.0)),

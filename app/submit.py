@@ -68,6 +68,19 @@ def submit(config_path: str, overrides: list[str], server: str | None, token: st
     return _follow(client, run["id"])
 
 
+def shown_rewards(run: dict) -> str:
+    """The training reward and, once the run has evaluated, the held-out number it is judged by: the metric it
+    picks its best checkpoint by (``reward 0.512 (eval accuracy 0.547)``), else the weighted eval reward."""
+    reward = run.get("latest_reward")
+    shown = "-" if reward is None else f"{reward:.3f}"
+    metric, value = run.get("eval_metric"), run.get("eval_metric_value")
+    if metric and value is not None:
+        return f"{shown} (eval {metric.removeprefix('eval/')} {value:.3f})"
+    if run.get("eval_reward") is not None:
+        return f"{shown} (eval reward {run['eval_reward']:.3f})"
+    return shown
+
+
 def _follow(client: httpx.Client, run_id: str) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -96,8 +109,7 @@ def _follow(client: httpx.Client, run_id: str) -> int:
                     progress.console.print(f"[{event['level']}] {event['message'].splitlines()[0][:300]}")
             seen_events = events["last_id"]
             status = run["status"]
-            reward = run["latest_reward"]
-            shown = "-" if reward is None else f"{reward:.3f}"
+            shown = shown_rewards(run)
             progress.update(
                 task, total=run["progress"]["max_steps"], completed=run["progress"]["step"], status=status, reward=shown
             )

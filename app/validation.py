@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from collage.training.config import RunConfig
+from collage.training.data.loader import split_problem
 from collage.training.data.synth import TASKS, Task
 from collage.training.models.families import TINY_FAMILIES
 from collage.training.rewards.builtins import BUILTINS
@@ -85,9 +86,28 @@ def semantic_errors(config: RunConfig, settings: Settings | None = None) -> list
         errors.append(("dataset.eval_source", message))
     if d.eval_split is not None and (message := split_violation(d.eval_split)) is not None:
         errors.append(("dataset.eval_split", message))
+    if not errors:  # every path is allowed and exists: do the splits name files there?
+        errors.extend(split_errors(config, settings))
     for k, reward in enumerate(config.rewards):
         if (message := check_reward(reward.name, settings)) is not None:
             errors.append((f"rewards[{k}].name", message))
+    return errors
+
+
+def split_errors(config: RunConfig, settings: Settings) -> list[tuple[str, str]]:
+    """The splits of a local dataset folder that name no file there: ``dataset.split`` and ``dataset.eval_split``
+    (read from ``eval_source`` when set, else from ``source``), probed from the folder's layout at submit so that
+    a wrong held-out split is refused with its field instead of failing the run on the worker."""
+    d = config.dataset
+    roots = settings.allowed_data_roots()
+    probes = [("dataset.split", d.source, d.split)]
+    if d.eval_split is not None:
+        probes.append(("dataset.eval_split", d.eval_source or d.source, d.eval_split))
+    errors = []
+    for key, source, split in probes:
+        if is_local(source) and (message := split_problem(source, split, data_roots=roots,
+                                                          config_name=d.config_name)) is not None:  # fmt: skip
+            errors.append((key, message))
     return errors
 
 

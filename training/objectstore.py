@@ -376,23 +376,32 @@ class ObjectMirror:
         return manifest
 
     def manifest(self, rel: str) -> dict[str, Any] | None:
+        """The folder's manifest (None: there is none); one that is not a manifest is :class:`StorageDamaged`."""
         data = self.get_bytes(f"{rel}/{MANIFEST}")
-        return None if data is None else json.loads(data)
+        if data is None:
+            return None
+        try:
+            manifest = json.loads(data)
+        except ValueError as exc:
+            raise StorageDamaged(f"object storage {self.where}: the manifest of {rel} is not JSON: {exc}") from exc
+        manifest_files(manifest, rel)  # refused here, before any file is read, when it is not one
+        return manifest
 
-    def fetch_folder(self, rel: str, dest: Path) -> bool:
+    def fetch_folder(self, rel: str, dest: Path, manifest: Mapping[str, Any] | None = None) -> bool:
         """Download the folder ``rel`` into ``dest`` (replaced whole, through a temporary folder), each file checked
-        against the manifest. False when it has no manifest (never written whole, or removed)."""
-        manifest = self.manifest(rel)
+        against the manifest (``manifest``: already read). False when it has no manifest (never written whole, or
+        removed)."""
+        manifest = manifest if manifest is not None else self.manifest(rel)
         if manifest is None:
             return False
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.fetch-"))
         try:
-            for name, entry in _checked_names(manifest["files"], rel).items():
+            for name, entry in manifest_files(manifest, rel).items():
                 target = tmp / name
                 if not self.fetch_file(f"{rel}/{name}", target):
                     raise StorageDamaged(f"object storage {self.where}: {rel}/{name} is in the manifest but missing")
-                if target.stat().st_size != entry["size"] or _sha256_file(target) != entry["sha256"]:
+                if file_mismatch(target, entry) is not None:
                     raise StorageDamaged(f"object storage {self.where}: {rel}/{name} does not match its manifest")
             shutil.rmtree(dest, ignore_errors=True)
             os.replace(tmp, dest)
@@ -415,13 +424,97 @@ class ObjectMirror:
         self._retry(f"removing {rel}", lambda: self.client.delete_objects(Bucket=self.location.bucket, Delete=batch))
 
 
-def _checked_names(files: Mapping[str, Any], rel: str) -> dict[str, Any]:
-    """The manifest's file names, refused if one would leave the folder (a manifest is data too)."""
-    for name in files:
+def manifest_files(manifest: Any, rel: str) -> dict[str, dict[str, Any]]:
+    """The manifest's files (name: ``{size, sha256}``), refused as :class:`StorageDamaged` if one would leave the
+    folder or the manifest is not one (a manifest is data too)."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise StorageDamaged(f"the manifest of {rel} has no list of files")
+    for name, entry in files.items():
         parts = Path(name).parts
         if not name or Path(name).is_absolute() or ".." in parts or "\x00" in name:
             raise StorageDamaged(f"the manifest of {rel} names a file outside its folder: {name!r}")
+        if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
+                or not isinstance(entry.get("sha256"), str)):  # fmt: skip
+            raise StorageDamaged(f"the manifest of {rel} gives no size and SHA-256 for {name!r}")
     return dict(files)
+
+
+def file_mismatch(path: Path, entry: Mapping[str, Any]) -> str | None:
+    """How the file ``path`` differs from its manifest entry (``{size, sha256}``), or None when it matches: the size
+    is compared first, so a file of another size is never read."""
+    try:
+        if not path.is_file():
+            return "is missing"
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if size != entry["size"]:
+        return f"has {size} bytes, the manifest says {entry['size']}"
+    try:
+        digest = _sha256_file(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if digest != entry["sha256"]:
+        return "has another SHA-256 than the manifest's"
+    return None
+
+
+def folder_mismatch(folder: Path, manifest: Mapping[str, Any], rel: str) -> str | None:
+    """Why the local folder does not match the manifest (its first file that is missing, of another size or another
+    SHA-256 than the manifest records), or None when every file the manifest names matches. Files the manifest
+    does not name are not looked at.
+
+    A folder this process found intact before is not read again while none of its files changed since (the same
+    inode, size, modification and change times) and each was last changed well before that check (:data:`RACY`):
+    a change made after it always moves the change time, which no one can set back."""
+    files = manifest_files(manifest, rel)
+    key = (str(folder), hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest())
+    checked_at = time.time_ns()
+    stats = _file_stats(folder, files)
+    with _intact_lock:
+        known = _INTACT.get(key)
+    if stats is not None and known is not None and known[1] == stats and all(s[3] < known[0] - RACY for s in stats):
+        return None
+    for name, entry in files.items():
+        problem = file_mismatch(folder / name, entry)
+        if problem is not None:
+            _forget(key)
+            return f"{name} {problem}"
+    if stats is not None:
+        _remember(key, stats, checked_at)
+    return None
+
+
+RACY = 2_000_000_000  # ns: a file changed this close to a check may change again within the clock's resolution
+# the folders this process found intact: (folder, its manifest's files) -> (when that check began, the files' stats)
+_INTACT: dict[tuple[str, str], tuple[int, tuple[tuple[Any, ...], ...]]] = {}
+_INTACT_MAX = 256
+_intact_lock = threading.Lock()
+
+
+def _file_stats(folder: Path, files: Mapping[str, Any]) -> tuple[tuple[Any, ...], ...] | None:
+    out = []
+    for name in sorted(files):
+        try:
+            st = os.stat(folder / name)
+        except OSError:
+            return None
+        out.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
+    return tuple(out)
+
+
+def _remember(key: tuple[str, str], stats: tuple[tuple[Any, ...], ...], checked_at: int) -> None:
+    with _intact_lock:
+        _INTACT.pop(key, None)  # the newest last: the oldest go first past the bound
+        _INTACT[key] = (checked_at, stats)
+        while len(_INTACT) > _INTACT_MAX:
+            _INTACT.pop(next(iter(_INTACT)))
+
+
+def _forget(key: tuple[str, str]) -> None:
+    with _intact_lock:
+        _INTACT.pop(key, None)
 
 
 @lru_cache(maxsize=8)
@@ -482,17 +575,31 @@ def _touch(path: Path, mirror: ObjectMirror | None) -> None:
 
 def ensure_local_folder(root: Path, folder: Path, mirror: ObjectMirror | None) -> bool:
     """Make sure the folder ``folder`` (under ``root``) is on this host: fetched whole from the mirror when it is
-    not. False when it is neither here nor (complete) in the bucket."""
-    if folder.is_dir():
-        _touch(folder, mirror)
-        return True
+    not. False when it is neither here nor (complete) in the bucket.
+
+    With a mirror, a copy this host already has (its cache) is checked against the bucket's manifest first, every
+    file's size and SHA-256: one that does not match (a file changed, cut short or removed on this host) is fetched
+    again from the bucket, whose copy is checked too (:class:`StorageDamaged` when that does not match either). A
+    local copy whose folder has no manifest in the bucket is used as it is: there is nothing to check it against."""
     if mirror is None:
-        return False
+        return folder.is_dir()
     try:
         rel = folder.relative_to(root).as_posix()
     except ValueError:
-        return False
-    return mirror.fetch_folder(rel, folder)
+        return folder.is_dir()
+    if not folder.is_dir():
+        return mirror.fetch_folder(rel, folder)
+    manifest = mirror.manifest(rel)
+    if manifest is None:
+        _touch(folder, mirror)
+        return True
+    problem = folder_mismatch(folder, manifest, rel)
+    if problem is None:
+        _touch(folder, mirror)
+        return True
+    log.warning("the cached copy %s does not match its manifest (%s): fetching it again from %s", folder, problem,
+                mirror.where)  # fmt: skip
+    return mirror.fetch_folder(rel, folder, manifest)
 
 
 def relative_to_root(root: Path, path: Path | str) -> str | None:

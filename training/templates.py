@@ -264,6 +264,7 @@ def install() -> None:
 
         if getattr(ctu, "_collage_bounded", False):
             return
-        ctu.ImmutableSandboxedEnvironment = _sandbox_classes()
+        # transformers compiles every chat template with this class: replaced by the bounded one
+        setattr(ctu, "ImmutableSandboxedEnvironment", _sandbox_classes())  # noqa: B010
         ctu._compile_jinja_template.cache_clear()  # templates compiled before were compiled unbounded
-        ctu._collage_bounded = True
+        setattr(ctu, "_collage_bounded", True)  # noqa: B010

@@ -55,6 +55,7 @@ from .optimization import Optimization, loss_metrics, loss_settings
 from .rewards import Reward, RewardError, resolve_reward, score
 from .rollout import Rollouts, reward_batch, rollout_image
 from .step_metrics import mean_dicts, to_float
+from .step_timing import RecentStepTime
 from .training_error import TrainingError
 
 # GenerationBatch and TrainingError are part of this module's interface too: checkpoints name the buffer's class
@@ -676,8 +677,7 @@ class Trainer:
         t = self.config.train
         callbacks = self.callbacks if self.is_main else CallbackList()
         self._announce_start(callbacks)
-        started = time.monotonic()
-        done_steps = 0
+        step_time = RecentStepTime()
         stopped = False
         try:
             if self._eval_due(self.step) and self.last_eval_step != self.step:
@@ -690,7 +690,6 @@ class Trainer:
                     stopped = True
                     break
                 metrics, rows = self._train_step()
-                done_steps += 1
                 evaluation = None
                 if self._eval_due(self.step):
                     # after the step, before its record: the step's metrics and its evaluation are one record
@@ -700,8 +699,7 @@ class Trainer:
                         metrics.update(evaluation.metrics)
                 history.append(metrics)
                 self._log_step(callbacks, metrics, rows, evaluation)
-                elapsed = time.monotonic() - started
-                callbacks.on_progress(self.step, t.max_steps, elapsed / done_steps)
+                callbacks.on_progress(self.step, t.max_steps, step_time.step_done())
                 if stopped:
                     self.checkpoints.save(self.step, self._state)
                     callbacks.on_event(

@@ -13,23 +13,38 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from collage.training.callbacks import Callback
+from collage.training.objectstore import StorageDamaged
 
 from .errors import WorkerError
 
+T = TypeVar("T")
+
 EXIT_FAILED = 3
 EXIT_STORE_FULL = 5  # the run failed and the store's disk is too full to record it
+EXIT_STORE_UNREACHABLE = 6  # the run failed and the store, past its retries, could not be reached to record it
 NICE_ENV = "COLLAGE_TRAIN_NICE"  # the CPU priority (nice value) the supervisor asks the training to run at
 
 
 class CheckpointMissing(WorkerError):
     """The checkpoint a resumed attempt must continue from cannot be found anywhere."""
+
+
+# why a recorded checkpoint is skipped on resume: its bucket copy does not match its manifest, or it is nowhere
+_UNUSABLE = (StorageDamaged, CheckpointMissing)
+
+
+class StoreUnreachable(WorkerError):
+    """What the training process reads from the store at its start (the run's config, its checkpoints) could not be
+    read: the connection was refused or dropped on every try for the store writer's whole retry window."""
 
 
 class StopOnSignal(Callback):
@@ -121,26 +136,57 @@ class Attempt:
         self.out = attempt_dir(self.settings.artifacts, run_id, attempt)
 
     def config_data(self) -> dict | None:
-        """The run's config as stored, or None when this attempt is no longer the run's current one."""
-        from sqlmodel import Session
+        """The run's config as stored, or None when this attempt is no longer the run's current one. A refused or
+        dropped connection is retried like a store write; past the window it is :class:`StoreUnreachable`."""
+        from sqlalchemy import select
+        from sqlmodel import col
 
         from collage.app.models import Run
 
-        with Session(self.engine) as session:
-            run = session.get(Run, self.run_id)
-            if run is None or run.attempt != self.attempt:
+        def read(session: Any) -> dict | None:
+            row = session.execute(
+                select(col(Run.attempt), col(Run.config)).where(col(Run.id) == self.run_id)
+            ).one_or_none()
+            if row is None or row[0] != self.attempt:
                 return None
-            return dict(run.config)
+            return dict(row[1])
+
+        return self._read("the run's config", lambda: self.store.read(read))
+
+    def _read(self, what: str, read: Callable[[], T]) -> T:
+        """``read()``, one of the store writer's reads (retried like its writes); a store that stays unreachable
+        past its retries is :class:`StoreUnreachable` naming what was read, the store and the cause."""
+        from collage.app.store.faults import is_disk_full, is_store_fault
+        from collage.app.store.text import exception_line
+
+        try:
+            return read()
+        except Exception as exc:
+            if not is_store_fault(exc) or is_disk_full(exc):
+                raise
+            cause = exception_line("".join(traceback.format_exception_only(exc)))
+            raise StoreUnreachable(
+                f"the training process could not read {what} from the store ({self.where}) for "
+                f"{self.store.retry_for:.3g} s: {cause}"
+            ) from exc
+
+    @property
+    def where(self) -> str:
+        """The store's URL without its password."""
+        return self.engine.url.render_as_string(hide_password=True)
 
     def link_earlier_checkpoints(self, keep_limit: bool = False) -> Path | None:
         """The newest checkpoint the store records (None: a fresh start); every earlier one up to it is linked into
         this attempt's folder, newest last, so train.save_total_limit counts and removes them too.
 
         With object storage the store records them relative to the artifacts, and a host that does not have the
-        newest (the run was resumed on another host) downloads it from the bucket first (manifest-checked); with
-        ``keep_limit`` (train.save_total_limit is set) every recorded one is downloaded and linked, so that the limit
+        newest (the run was resumed on another host) downloads it from the bucket first; a copy this host already
+        has is checked against the bucket's manifest too, and fetched again when it does not match. A checkpoint
+        that is damaged (a file not matching its manifest) or gone from the bucket is skipped, with a warning event
+        naming it and why, and the attempt resumes from the newest intact one before it. With ``keep_limit``
+        (train.save_total_limit is set) every recorded one up to it is downloaded and linked, so that the limit
         still removes an earlier attempt's checkpoints, from the bucket too."""
-        recorded = self.store.latest_checkpoint(self.run_id)
+        recorded = self._read("the run's newest checkpoint", lambda: self.store.latest_checkpoint(self.run_id))
         if recorded is None:
             return None
         newest = self._local(recorded)
@@ -153,28 +199,67 @@ class Attempt:
             for checkpoint in checkpoints_up_to(newest) if newest.is_dir() else []:
                 link_checkpoint(self.out, checkpoint)
             return newest
-        earlier = (
-            [path for _, path in self.store.checkpoint_paths(self.run_id) if path != recorded] if keep_limit else []
-        )
-        for path in [*earlier, recorded]:
-            self._fetch(path, required=path == recorded)
-            if self._local(path).is_dir():
+        recorded_all = self._read("the run's checkpoints", lambda: self.store.checkpoint_paths(self.run_id))
+        if not any(path == recorded for _, path in recorded_all):  # recorded just now, between the two reads
+            recorded_all.append((_step_of(recorded), recorded))
+        chosen, skipped = self._newest_intact(recorded_all)
+        if chosen is None:  # not one is usable: the run fails naming each (it never starts again from step 0)
+            if len(skipped) == 1:
+                raise skipped[0][2]
+            reasons = "; ".join(f"step {step}: {why}" for step, _, why in skipped)
+            raise type(skipped[0][2])(f"run {self.run_id}: no recorded checkpoint can be resumed from: {reasons}")
+        chosen_step, chosen_path = chosen
+        for step, path, why in skipped:
+            self.writer.add_event(self.run_id, "warning", f"checkpoint step {step} ({path}) was skipped: {why}; "
+                                                          f"resuming from step {chosen_step}")  # fmt: skip
+        if keep_limit:
+            bad = {path for _, path, _ in skipped}
+            for step, path in recorded_all:
+                if step >= chosen_step or path in bad:
+                    continue
+                try:
+                    self._fetch(path)
+                except _UNUSABLE as why:
+                    self.writer.add_event(self.run_id, "warning", f"checkpoint step {step} ({path}) was not "
+                                                                  f"linked: {why}")  # fmt: skip
+                    continue
                 link_checkpoint(self.out, self._local(path))
-        return newest
+        link_checkpoint(self.out, self._local(chosen_path))
+        return self._local(chosen_path)
+
+    def _newest_intact(
+        self, recorded: list[tuple[int, str]]
+    ) -> tuple[tuple[int, str] | None, list[tuple[int, str, Exception]]]:
+        """The newest recorded checkpoint that is on this host (checked) or fetched whole from the bucket, and the
+        newer ones skipped on the way with why (``StorageDamaged`` or :class:`CheckpointMissing`). A bucket that
+        does not answer is not a reason to skip: it fails the attempt (StorageUnreachable, it may come back)."""
+        skipped: list[tuple[int, str, Exception]] = []
+        for step, path in sorted(recorded, reverse=True):
+            try:
+                self._fetch(path)
+            except _UNUSABLE as why:
+                log_line = f"run {self.run_id}: checkpoint step {step} ({path}) is unusable: {why}"
+                print(log_line, file=sys.stderr)
+                skipped.append((step, path, why))
+                continue
+            return (step, path), skipped
+        return None, skipped
 
     def _local(self, recorded: str) -> Path:
         return Path(recorded) if Path(recorded).is_absolute() else self.settings.artifacts / recorded
 
-    def _fetch(self, recorded: str, required: bool) -> None:
+    def _fetch(self, recorded: str) -> None:
+        """The checkpoint on this host, checked against its manifest (fetched from the bucket when missing or not
+        matching): StorageDamaged when the bucket's copy is damaged, CheckpointMissing when it is nowhere."""
         from collage.training.objectstore import ensure_local_folder
 
-        found = ensure_local_folder(self.settings.artifacts, self._local(recorded), self.settings.mirror())
-        if required and not found:
-            raise CheckpointMissing(f"run {self.run_id}: its newest checkpoint {recorded} is neither on this host nor "
-                                    f"in the artifacts' bucket {self.settings.artifacts_url}")  # fmt: skip
+        if not ensure_local_folder(self.settings.artifacts, self._local(recorded), self.settings.mirror()):
+            raise CheckpointMissing(f"run {self.run_id}: its checkpoint {recorded} is neither on this host nor in "
+                                    f"the artifacts' bucket {self.settings.artifacts_url}")  # fmt: skip
 
     def fail(self, error: str, message: str) -> int:
         from collage.app.status import ACTIVE, RunStatus
+        from collage.app.store.faults import is_store_fault
         from collage.training.diskspace import DiskFull
 
         if self.rank == 0:
@@ -184,6 +269,13 @@ class Attempt:
             except DiskFull as full:  # the store cannot take even this: the supervisor records it once it can
                 print(f"run {self.run_id}: {message}\n{full}", file=sys.stderr)
                 return EXIT_STORE_FULL
+            except Exception as exc:
+                if not is_store_fault(exc):
+                    raise
+                # the store did not answer for the writer's whole retry window: the worker's log keeps why
+                print(f"run {self.run_id}: {message}\nthe store ({self.where}) could not record it: {exc}",
+                      file=sys.stderr)  # fmt: skip
+                return EXIT_STORE_UNREACHABLE
         return EXIT_FAILED
 
     def finish(self, status: str, step: int) -> None:
@@ -192,6 +284,11 @@ class Attempt:
         if self.rank == 0:
             self.store.transition(self.run_id, ACTIVE, RunStatus(status), when_attempt=self.attempt,
                                   message=f"{status} at step {step}")  # fmt: skip
+
+
+def _step_of(path: str) -> int:
+    match = re.search(r"step-(\d+)$", path.rstrip("/"))
+    return int(match.group(1)) if match else -1
 
 
 def _keeps_a_limit(config_data: dict) -> bool:
@@ -259,6 +356,31 @@ def _train(attempt: Attempt, config: Any, out: Path, callbacks: list[Callback], 
         raise TrainingError(str(full)) from exc
 
 
+def begin(attempt: Attempt) -> tuple[dict, Path | None] | int:
+    """What the attempt reads before it trains: the run's config and the checkpoint it resumes from (None: a fresh
+    start), or the exit code when it cannot start. A store that does not answer (its connections refused or dropped
+    past the store writer's retries) fails the run saying so, as does a checkpoint that is nowhere or damaged with no
+    intact one before it; an attempt that is no longer current exits without writing."""
+    from collage.app.store.writer import StaleAttempt
+    from collage.training.objectstore import StorageError
+
+    from .store_callback import EXIT_STALE
+
+    try:
+        config_data = attempt.config_data()
+        if config_data is None:
+            print(f"run {attempt.run_id}: attempt {attempt.attempt} is not current", file=sys.stderr)
+            return EXIT_STALE
+        return config_data, attempt.link_earlier_checkpoints(keep_limit=_keeps_a_limit(config_data))
+    except StaleAttempt:
+        return EXIT_STALE
+    except StoreUnreachable as exc:
+        print(f"run {attempt.run_id} failed: {exc}", file=sys.stderr)
+        return attempt.fail(str(exc), f"failed: {exc}"[:500])
+    except (CheckpointMissing, StorageError) as exc:
+        return attempt.fail(str(exc), f"failed: {exc}"[:500])
+
+
 def main(run_id: str, attempt_number: int) -> int:
     stop_signal = _prepare_process()
     from collage.app.store.writer import StaleAttempt
@@ -271,14 +393,10 @@ def main(run_id: str, attempt_number: int) -> int:
     from .trackers import TrackersCallback
 
     attempt = Attempt(run_id, attempt_number)
-    config_data = attempt.config_data()
-    if config_data is None:
-        print(f"run {run_id}: attempt {attempt_number} is not current", file=sys.stderr)
-        return EXIT_STALE
-    try:
-        newest = attempt.link_earlier_checkpoints(keep_limit=_keeps_a_limit(config_data))
-    except (CheckpointMissing, StorageError) as exc:
-        return attempt.fail(str(exc), f"failed: {exc}"[:500])
+    begun = begin(attempt)
+    if isinstance(begun, int):
+        return begun
+    config_data, newest = begun
     _import_training_libraries()
     callback = StoreCallback(attempt.writer, run_id, heartbeat_every=attempt.settings.heartbeat_interval,
                              ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE"),

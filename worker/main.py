@@ -67,7 +67,8 @@ def run_worker(
         log.warning("removed %d unfinished synthetic dataset folder(s) left by an earlier crash", removed)
     name = name or f"collage-{socket.gethostname()}-{os.getpid()}"
     tasks.SLOT = Slot(gpus=gpus)
-    registration = Registration(engine, name, queues, gpus, every=settings.heartbeat_interval)
+    disks = {"home": settings.home, "artifacts": settings.artifacts}  # with a bucket, the artifacts are its cache
+    registration = Registration(engine, name, queues, gpus, every=settings.heartbeat_interval, disks=disks)
     registration.beat()
     registration.start()
     tasks.REGISTRATION = registration

@@ -1,7 +1,9 @@
 """Workers announce themselves in the store every few seconds: ``GET /health`` and ``GET /workers`` list the live
 ones, with their GPUs' model, memory and utilisation where the machine can tell (``nvidia-smi``, or ``torch.cuda``
 when the worker already imported torch). The GPU probe runs in its own thread: a slow or missing ``nvidia-smi``
-never delays or fails a heartbeat, and a CPU-only worker reports no GPUs."""
+never delays or fails a heartbeat, and a CPU-only worker reports no GPUs. Each heartbeat also carries the free
+space of the file systems holding the worker's home and artifacts (its cache of the bucket): ``GET /health`` flags
+a worker whose disk is low."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import delete
@@ -21,6 +24,7 @@ from sqlmodel import col
 from collage.app.db import session_scope
 from collage.app.models import Worker, table_of, utcnow
 from collage.app.store.sql import upsert
+from collage.training.diskspace import existing_ancestor, space
 
 log = logging.getLogger("collage.worker")
 
@@ -94,27 +98,50 @@ def probe_gpus(slot: list[int]) -> list[dict[str, Any]] | None:
     return None
 
 
+def probe_disks(paths: dict[str, Path]) -> list[dict[str, Any]] | None:
+    """The file systems holding ``paths`` (by name: home, artifacts), one entry per file system with the names it
+    holds and its free and total bytes; None when there is nothing to measure. A path whose space cannot be read
+    is left out (never raises: a heartbeat must not fail for it)."""
+    devices: dict[int, dict[str, Any]] = {}
+    for name, path in paths.items():
+        try:
+            where = existing_ancestor(path)
+            device, free = where.stat().st_dev, space(where)
+        except OSError as exc:
+            log.debug("disk probe of %s (%s) failed: %s", name, path, exc)
+            continue
+        entry = devices.setdefault(device, {"paths": {}, "free_bytes": free.free, "total_bytes": free.total})
+        entry["paths"][name] = str(path)
+    return list(devices.values()) or None
+
+
 class Registration(threading.Thread):
-    def __init__(self, engine: Engine, name: str, queues: list[str], gpus: list[int], every: float = 5.0):
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        queues: list[str],
+        gpus: list[int],
+        every: float = 5.0,
+        disks: dict[str, Path] | None = None,
+    ):
         super().__init__(name="collage-registration", daemon=True)
         self.engine, self.name, self.queues, self.gpus, self.every = engine, name, queues, gpus, every
+        self.disks = disks or {}  # what the heartbeat measures the free space of: home, artifacts
         self.stopped = threading.Event()
         self.current_run: str | None = None
+        # this process's start: a worker restarted under the same name is a new one, its row says so (not the
+        # first start's time, which an upsert that left the column alone kept)
+        self.started_at = utcnow()
         self.gpu_info: list[dict[str, Any]] | None = None
         self.prober = threading.Thread(target=self._probe_loop, name="collage-gpu-probe", daemon=True)
 
     def beat(self) -> None:
         row = {"name": self.name, "hostname": socket.gethostname(), "pid": os.getpid(), "queues": self.queues,
-               "gpus": self.gpus, "current_run_id": self.current_run, "started_at": utcnow(), "last_seen": utcnow(),
-               "gpu_info": self.gpu_info}  # fmt: skip
+               "gpus": self.gpus, "current_run_id": self.current_run, "started_at": self.started_at,
+               "last_seen": utcnow(), "gpu_info": self.gpu_info, "disk_info": probe_disks(self.disks)}  # fmt: skip
         with session_scope(self.engine) as session:
-            upsert(
-                session,
-                table_of(Worker),
-                [row],
-                ["name"],
-                ["hostname", "pid", "queues", "gpus", "current_run_id", "last_seen", "gpu_info"],
-            )
+            upsert(session, table_of(Worker), [row], ["name"], [c for c in row if c != "name"])
 
     def _probe_loop(self) -> None:
         while True:

@@ -137,7 +137,7 @@ class StoreCallback(Callback):
         self.background.put(lambda: self.writer.add_event(self.run_id, level, message))
 
     def on_progress(self, step: int, max_steps: int, seconds_per_step: float | None) -> None:
-        self.background.put(lambda: self.writer.set_progress(self.run_id, step))
+        self.background.put(lambda: self.writer.set_progress(self.run_id, step, seconds_per_step))
 
     def on_checkpoint(self, step: int, path: str, info: CheckpointInfo) -> None:
         if self.publisher is not None:

@@ -5,6 +5,14 @@ which attempt this worker runs; the child writes only under that attempt, and th
 (and kills the child) the moment the run is no longer active under it: reaped as lost, resumed as a newer
 attempt, or deleted. Until the child's own heartbeat takes over, the supervisor beats for it, so slow imports
 and model loads never get a healthy run reaped.
+
+A training process that makes no progress is the supervisor's to detect, while its worker lives, not the reaper's
+(whose verdict, "worker lost", is for a worker that is gone): a process stopped (state ``T`` in
+``/proc/<pid>/stat``: SIGSTOP, a job-control stop) for half the heartbeat timeout is killed, before or after its
+ready file, and the run fails saying it was stopped, well before its heartbeat is old enough for the reaper; one
+that has not written its ready file ``COLLAGE_CHILD_START_TIMEOUT`` seconds after it started (default 3600: an
+import or a checkpoint download that hangs) is killed and the run fails saying it never started; one that took
+over and then stopped beating (hung) is killed after the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from collage.app.store.faults import store_disk_full
 from collage.app.store.writer import StaleAttempt, StoreWriter
 from collage.training.diskspace import DiskFull
 
-from .child import EXIT_STORE_FULL, NICE_ENV
+from .child import EXIT_STORE_FULL, EXIT_STORE_UNREACHABLE, NICE_ENV
 from .errors import WorkerError
 from .heartbeat import Heartbeat
 from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded
@@ -181,11 +189,13 @@ def run_claimed(
     stop: StopFlag | None = None,
     nice: int = 0,
     heartbeat_timeout: float | None = None,
+    start_timeout: float | None = None,
 ) -> str | None:
     """Run a run this worker has claimed to its end; returns its final status. ``stop``: the worker's shutdown
     flag; once raised, the run is asked to checkpoint and stop. ``nice``: the training's CPU priority.
     ``heartbeat_timeout``: a training process whose own heartbeat is older than this is frozen or hung, and is
-    killed (see :func:`_watch`)."""
+    killed, and one stopped for half of it too (see :func:`_watch`). ``start_timeout``: a training process that has
+    not written its ready file this many seconds after it started is killed (None: no bound)."""
     run_id, attempt = run.id, run.attempt
     mine = writer.for_attempt(run_id, attempt)
     with tempfile.TemporaryDirectory(prefix="collage-child-") as tmp:
@@ -212,9 +222,8 @@ def run_claimed(
             log.info("run %s attempt %s: starting %s", run_id, attempt, " ".join(cmd))
             # its own session, so the whole process group (accelerate's ranks too) can be killed at once
             proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        return _watch(
-            writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll, stop, heartbeat_timeout
-        )
+        return _watch(writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll, stop,
+                      heartbeat_timeout, start_timeout)  # fmt: skip
 
 
 def _beating(mine: StoreWriter, run_id: str, every: float) -> Heartbeat:
@@ -245,6 +254,24 @@ def _heartbeat_age(writer: StoreWriter, run_id: str) -> float | None:
     return (utcnow() - (beat if beat.tzinfo else beat.replace(tzinfo=timezone.utc))).total_seconds()
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of ``/proc/<pid>/stat`` (``R`` running, ``S`` sleeping, ``T`` stopped, ``Z`` a zombie...),
+    or None when it cannot be read (the process is gone, or the system has no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ...": the command may hold spaces and parentheses, so the state follows the last ")"
+    fields = stat.rpartition(")")[2].split()
+    return fields[0] if fields else None
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    """Whether the training process (or one of its ranks) is stopped: SIGSTOP, SIGTSTP, a job-control stop."""
+    pids = {proc.pid, *_training_processes(proc)}
+    return any(process_state(pid) == "T" for pid in pids)
+
+
 def _kill_if_frozen(
     writer: StoreWriter, proc: subprocess.Popen, run_id: str, attempt: int, heartbeat_timeout: float
 ) -> str | None:
@@ -272,12 +299,25 @@ def _watch(
     poll: float,
     stop: StopFlag | None = None,
     heartbeat_timeout: float | None = None,
+    start_timeout: float | None = None,
 ) -> str | None:
     cancel_seen: float | None = None
     stopping = False
     last_beat = last_look = 0.0
     frozen: str | None = None  # why the supervisor killed a training process that stopped beating
+    started = time.monotonic()
+    stopped_since: float | None = None  # when the training process was first seen stopped (state T), if it is
     while proc.poll() is None:
+        # first, and whatever the store does (a process stopped inside a SQLite write holds its only write lock)
+        frozen = _no_progress(proc, ready, started, stopped_since, heartbeat_timeout, start_timeout)
+        if frozen is not None:
+            log.error("run %s attempt %s: the training process %s", run_id, attempt, frozen)
+            _kill(proc)
+            break
+        if heartbeat_timeout and _stopped(proc):
+            stopped_since = stopped_since or time.monotonic()
+        else:
+            stopped_since = None
         if stop is not None and stop.requested and not stopping:
             stopping = True
             cancel_seen = cancel_seen or time.monotonic()
@@ -328,6 +368,29 @@ def _watch(
     return _record_exit(writer, proc.returncode, run_id, attempt, frozen, stopping, stop)
 
 
+def _no_progress(
+    proc: subprocess.Popen,
+    ready: Path,
+    started: float,
+    stopped_since: float | None,
+    heartbeat_timeout: float | None,
+    start_timeout: float | None,
+) -> str | None:
+    """Why a training process that makes no progress must be killed now, or None. Stopped (state T) for half the
+    heartbeat timeout: the child's last beat is then at most that plus one heartbeat old, so this comes before the
+    reaper's verdict of a lost worker, and before the ready file as after it (the supervisor beats for a child that
+    is starting, so only this sees one stopped then). Not ready within ``start_timeout`` of its start."""
+    now = time.monotonic()
+    if heartbeat_timeout and stopped_since is not None and now - stopped_since >= heartbeat_timeout / 2:
+        when = "after" if ready.exists() else "before"
+        return (f"was stopped (SIGSTOP or a job-control stop: state T) {when} it was ready, for "
+                f"{now - stopped_since:.0f}s, and was killed")  # fmt: skip
+    if start_timeout and not ready.exists() and now - started > start_timeout:
+        return (f"did not finish starting (its imports, checkpoint download and heartbeat) within "
+                f"{start_timeout:.0f}s (COLLAGE_CHILD_START_TIMEOUT) and was killed")  # fmt: skip
+    return None
+
+
 def _record_exit(
     writer: StoreWriter, code: int, run_id: str, attempt: int, frozen: str | None, stopping: bool, stop: StopFlag | None
 ) -> str | None:
@@ -347,6 +410,11 @@ def _record_exit(
         message = f"{ended}: the training process {reason}"
         if code == EXIT_STORE_FULL:  # it failed, and could not say so: the store's disk is full
             ended, error = RunStatus.FAILED, str(store_disk_full(writer.engine))
+            message = f"failed: {error}"
+        elif code == EXIT_STORE_UNREACHABLE:  # it failed and the store did not answer its retries to record why
+            ended = RunStatus.FAILED
+            error = ("the training process failed and could not reach the run store to say why for its whole retry "
+                     "window; this worker's log has the cause")  # fmt: skip
             message = f"failed: {error}"
         return _record_end(writer, run_id, attempt, ended, error, message, stop)
     log.info("run %s attempt %s ended %s", run_id, attempt, state)

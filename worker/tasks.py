@@ -54,6 +54,7 @@ def run_training(self: Task, run_id: str) -> str | None:
             cancel_grace=settings.cancel_grace,
             heartbeat_every=settings.heartbeat_interval,
             heartbeat_timeout=settings.heartbeat_timeout,
+            start_timeout=settings.child_start_timeout,
             stop=STOP,
             nice=settings.training_nice(embedded=bool(os.environ.get("COLLAGE_PARENT_PID"))),
         )

@@ -35,6 +35,8 @@ DOWNLOAD_ERRORS: Responses = {
     410: {"model": ErrorOut, "description": "the checkpoint's files are gone"},
     422: {"model": ValidationErrorOut, "description": "a step that is neither a number, best nor last"},
     429: {"description": "too many downloads at once; retry after the Retry-After header's seconds"},
+    502: {"model": ErrorOut, "description": "object storage: the bucket's copy does not match its manifest (named)"},
+    503: {"model": ErrorOut, "description": "object storage: the bucket does not answer; retry after Retry-After"},
     200: {"content": {TAR: {}}, "description": "the checkpoint's model folder as a tar archive, streamed"},
 }
 

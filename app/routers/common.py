@@ -7,6 +7,7 @@ from sqlmodel import Session
 
 from ..models import Run, Sample
 from ..schemas import ImageRef, Progress, RunOut, SampleOut
+from ..store.queries import best_model_metric
 
 API = "/api/v1"
 
@@ -60,6 +61,7 @@ def run_out(
         parent_id=run.parent_id,
         created_by=(creators or {}).get(run.created_by) if run.created_by is not None else None,
         latest_reward=latest_reward,
+        seconds_per_step=run.seconds_per_step,
         url=run_url(run.id),
         config=run.config if with_config else None,
         notes=run.notes,
@@ -89,3 +91,11 @@ def sample_out(sample: Sample, shas: list[str], sizes: dict[str, tuple[int, int]
         split=sample.split,
         columns=sample.columns or {},
     )
+
+
+def set_best_model_metric(out: RunOut, ranked: dict[str, tuple[str, float | None, float | None]], run: Run) -> None:
+    """The run's best-model metric on its answer (``ranked``: :func:`queries.best_model_metrics` of its page),
+    named even before its first value: the runs table shows which metric is coming."""
+    metric = best_model_metric(run.config)
+    out.eval_metric = metric[0] if metric else None
+    _, out.eval_metric_value, out.best_eval_metric = ranked.get(run.id, (None, None, None))

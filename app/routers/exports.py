@@ -6,21 +6,26 @@ downloaded as a tar.
 ``COLLAGE_ARTIFACTS/exports/<job id>/`` and reports its progress. Members read every run, so any member may export
 any run's checkpoint; each token has one export in flight at a time (429 beyond) and keeps its newest finished export
 on disk (``app/store/exports.py``). Only the token that asked, or an admin, cancels an export.
+
+``GET /runs/{id}/exports`` lists a run's exports (every token's: members read every run, as ``GET /exports/{id}``
+lets them) and ``GET /exports`` the calling token's own (an admin's: everyone's), newest first, so a finished
+export is found again after its browser tab is gone.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, HTTPException, Response
+from fastapi import APIRouter, Body, Depends, HTTPException, Query, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
 from sqlalchemy.engine import Engine
 
 from collage.training.objectstore import ensure_local_folder
 
 from ..auth import FORBIDDEN, UNAUTHORIZED, is_admin, owns, require_token
 from ..deps import CurrentUser, DispatcherDep, EngineDep, ExportSlotsDep, SessionDep, SettingsDep
-from ..models import Job
+from ..models import ApiToken, Job
 from ..schemas import ErrorOut, ExportCreated, ExportOut, ExportRequest, ValidationErrorOut
 from ..status import ENDED, JobKind, RunStatus
 from ..store import checkpoints as checkpoint_store
@@ -33,6 +38,20 @@ from .common import API, get_run_or_404
 router = APIRouter(tags=["exports"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 
 RETRY_EXPORT_AFTER = 10  # seconds a token that has an export in flight is told to wait
+
+
+class ExportItem(ExportOut):
+    """An export in a listing: :class:`ExportOut`, who asked for it, and whether the caller did."""
+
+    created_by: str | None = Field(description="the name of the token that asked for it (null: unknown)")
+    mine: bool = Field(description="whether the calling token asked for it")
+
+
+class ExportList(BaseModel):
+    items: list[ExportItem] = Field(description="newest first")
+
+
+Limit = Annotated[int, Query(ge=1, le=store.LIST_MAX, description=f"at most this many exports, 1..{store.LIST_MAX}")]
 
 
 def export_url(job_id: str) -> str:
@@ -127,6 +146,32 @@ def _one_at_a_time(busy: Job) -> HTTPException:
         "token; wait for it to end or cancel it",
         headers={"Retry-After": str(RETRY_EXPORT_AFTER)},
     )
+
+
+def _listing(engine: Engine, token: ApiToken, rows: list[tuple[Job, str | None]]) -> ExportList:
+    return ExportList(
+        items=[
+            ExportItem(**export_out(engine, job).model_dump(), created_by=name, mine=owns(token, job.created_by))
+            for job, name in rows
+        ]
+    )
+
+
+@router.get("/runs/{run_id}/exports", response_model=ExportList, responses={404: {"model": ErrorOut}})
+def list_run_exports(
+    run_id: str, session: SessionDep, token: CurrentUser, engine: EngineDep, limit: Limit = store.LIST_DEFAULT
+) -> ExportList:
+    """The run's exports, every token's (any token reads every run), newest first: each with its step, whether the
+    LoRA adapter was merged, its status, size and `download_url` once it succeeded, and the token that asked."""
+    run = get_run_or_404(session, run_id)
+    return _listing(engine, token, store.list_exports(engine, run_id=run.id, limit=limit))
+
+
+@router.get("/exports", response_model=ExportList)
+def list_exports(token: CurrentUser, engine: EngineDep, limit: Limit = store.LIST_DEFAULT) -> ExportList:
+    """The calling token's exports, of every run, newest first (an admin token: every token's)."""
+    mine = None if is_admin(token) else token.id
+    return _listing(engine, token, store.list_exports(engine, created_by=mine, limit=limit))
 
 
 @router.get("/exports/{job_id}", response_model=ExportOut, responses={404: {"model": ErrorOut}})

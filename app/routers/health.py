@@ -1,9 +1,11 @@
-"""Liveness of the store, the broker and the workers, and the free space of the disks Collage writes to; the one
-API route that answers without a token (then only ok / not ok)."""
+"""Liveness of the store, the broker and the workers, and the free space of the disks Collage writes to (this web
+node's, and each worker's as its last heartbeat measured it); the one API route that answers without a token (then
+only ok / not ok)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
@@ -40,6 +42,31 @@ class DiskOut(BaseModel):
     min_free_bytes: int
     filesystems: list[FileSystemOut]
     errors: dict[str, str] = Field(default_factory=dict, description="paths whose space could not be read")
+
+
+class WorkerDiskOut(BaseModel):
+    """A worker's file systems (its home, its artifacts or cache of the bucket) as its last heartbeat measured
+    them, flagged against this web node's COLLAGE_MIN_FREE_DISK_MB."""
+
+    ok: bool = Field(description="no file system of the worker is low on space")
+    filesystems: list[FileSystemOut]
+
+
+def _worker_disk(reported: Any, minimum: int) -> dict[str, Any] | None:
+    """A worker's reported disks with their ``low`` flags; None when it reported none (started before 0011)."""
+    if not isinstance(reported, list) or not reported:
+        return None
+    filesystems = [
+        FileSystemOut(
+            paths=dict(f.get("paths") or {}),
+            free_bytes=int(f["free_bytes"]),
+            total_bytes=int(f["total_bytes"]),
+            low=int(f["free_bytes"]) < minimum,
+        )  # fmt: skip
+        for f in reported
+        if isinstance(f, dict) and "free_bytes" in f and "total_bytes" in f
+    ]
+    return WorkerDiskOut(ok=not any(f.low for f in filesystems), filesystems=filesystems).model_dump()
 
 
 class HealthDetail(HealthOut):
@@ -96,5 +123,7 @@ async def health(token: MaybeUser, engine: EngineDep, dispatcher: DispatcherDep,
     if token is None:
         return JSONResponse(status_code=status, content=HealthBrief(ok=ok).model_dump())
     disk = await run_in_threadpool(_disk, settings, engine)
-    body = HealthDetail(ok=ok, store=store, broker=broker, workers=info.get("workers", []), disk=disk)
+    # each worker's disks, flagged like this node's own (a low one is a warning: it does not change `ok`)
+    workers = [{**w, "disk": _worker_disk(w.get("disk"), disk.min_free_bytes)} for w in info.get("workers", [])]
+    body = HealthDetail(ok=ok, store=store, broker=broker, workers=workers, disk=disk)
     return JSONResponse(status_code=status, content=body.model_dump())

@@ -8,8 +8,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, Response
+from sqlmodel import Session
+
+from collage.training.objectstore import ObjectMirror
 
 from ..auth import UNAUTHORIZED, require_token
+from ..bucket import bucket_call, request_mirror
 from ..deps import SessionDep, SettingsDep
 from ..models import Image
 from ..settings import Settings
@@ -36,23 +40,23 @@ async def get_image(
     settings: SettingsDep,
     size: Annotated[Literal["thumb", "full"], Query()] = "full",
 ) -> Response:
-    image = await run_in_threadpool(session.get, Image, sha256)
-    if image is None:
+    # the store is read, and its session closed, before anything waits on the bucket (app/bucket.py says why)
+    if not await run_in_threadpool(known_image, session, sha256):
         raise HTTPException(404, f"no image {sha256}")
     etag = f'"{sha256}-{size}"'
     headers = {"Cache-Control": CACHE, "ETag": etag}
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers=headers)
-    if settings.s3_presign > 0:  # the bucket serves the bytes: the web node only signs
-        url = await run_in_threadpool(presigned_image, settings, sha256, size)
-        if url is not None:
-            return RedirectResponse(url, status_code=307, headers={"Cache-Control": presign_cache(settings)})
-    mirror = settings.mirror()
+    mirror = request_mirror(settings)
+    if mirror is not None and settings.s3_presign > 0:  # the bucket serves the bytes: the web node only signs
+        url = await bucket_call(settings, f"signing image {sha256}", presigned_image, settings, mirror, sha256, size)
+        return RedirectResponse(url, status_code=307, headers={"Cache-Control": presign_cache(settings)})
+    find = thumbnail if size == "thumb" else local_image
     try:
-        if size == "thumb":
-            path: FsPath | None = await run_in_threadpool(thumbnail, settings.artifacts, sha256, mirror)
+        if mirror is None:
+            path: FsPath | None = await run_in_threadpool(find, settings.artifacts, sha256, None)
         else:
-            path = await run_in_threadpool(local_image, settings.artifacts, sha256, mirror)
+            path = await bucket_call(settings, f"fetching image {sha256}", find, settings.artifacts, sha256, mirror)
     except FileNotFoundError:
         path = None
     if path is None:
@@ -60,16 +64,21 @@ async def get_image(
     return FileResponse(path, media_type="image/png", headers=headers)
 
 
+def known_image(session: Session, sha256: str) -> bool:
+    """Whether the store records the image; the session is closed after (its connection back to the pool)."""
+    try:
+        return session.get(Image, sha256) is not None
+    finally:
+        session.close()
+
+
 def presign_cache(settings: Settings) -> str:
     # the redirect may be reused while its URL is valid, less a margin for the browser's own clock
     return f"private, max-age={max(settings.s3_presign // 2, 1)}"
 
 
-def presigned_image(settings: Settings, sha256: str, size: str) -> str | None:
-    """A presigned URL of the image (its thumbnail made and stored first), or None without a bucket."""
-    mirror = settings.mirror()
-    if mirror is None:
-        return None
+def presigned_image(settings: Settings, mirror: ObjectMirror, sha256: str, size: str) -> str:
+    """A presigned URL of the image (its thumbnail made and stored first)."""
     rel = relative_path(sha256)
     if size == "thumb":
         thumbnail(settings.artifacts, sha256, mirror)

@@ -43,7 +43,7 @@ from ..store import runs as store
 from ..store.faults import STORE_FAULTS
 from ..store.queueing import RESUME_EVENT, queue_of
 from ..store.text import TRACEBACK_LEVEL, public_error
-from .common import get_run_or_404, run_out, run_url
+from .common import get_run_or_404, run_out, run_url, set_best_model_metric
 from .launch import LauncherDep, validation_error
 from .workers import queue_workers
 
@@ -74,6 +74,7 @@ class RunDetails:
         reward = queries.latest_metric(session, [run.id], "reward").get(run.id)
         out = run_out(run, tags, reward, with_config=True, creators=store.creator_names(session, [run]))
         out.eval_reward, out.best_eval_reward = queries.eval_rewards(session, [run]).get(run.id, (None, None))
+        set_best_model_metric(out, queries.best_model_metrics(session, [run]), run)
         out.notes = run.notes
         if is_admin(self.token):
             out.error_detail = store.error_detail(session, run)
@@ -139,8 +140,10 @@ def list_runs(
     evals = queries.eval_rewards(session, runs)
     creators = store.creator_names(session, runs)
     items = [run_out(r, tags[r.id], rewards.get(r.id), creators=creators) for r in runs]
-    for item in items:
+    ranked = queries.best_model_metrics(session, runs)
+    for item, run in zip(items, runs, strict=True):
         item.eval_reward, item.best_eval_reward = evals.get(item.id, (None, None))
+        set_best_model_metric(item, ranked, run)
     if not is_admin(token):
         for item in items:
             item.error = public_error(item.error)
@@ -324,6 +327,10 @@ def get_events(
 
 
 RECHECK_EVERY = 2.0  # seconds between re-reads of a stream's token or session
+# seconds a stream may go without sending anything before it sends an SSE comment: a proxy (nginx: 60 s, a cloud
+# load balancer: 60 s or less) ends a response that stays quiet longer, as a queued or a slow run's stream does
+KEEPALIVE_EVERY = 15.0
+KEEPALIVE = ": keep-alive\n\n"  # a comment line: EventSource ignores it
 
 
 @router.get(
@@ -345,7 +352,8 @@ async def stream_run(
 
     The caller's token or browser session is checked again every few seconds: once it is revoked, expired or
     logged out the stream sends `unauthorized` and ends. A store that fails mid-stream ends it with `unavailable`
-    (the client reconnects)."""
+    (the client reconnects). A stream with nothing to send for 15 s sends the comment `: keep-alive`, so that a
+    proxy never takes it for a dead connection."""
     state, _ = await run_in_threadpool(store.run_snapshot, engine, run_id, INT_MAX)
     if state is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
@@ -354,9 +362,12 @@ async def stream_run(
     async def events():
         last_status, last_step, metric_step = None, None, after_step
         recheck_at = time.monotonic() + RECHECK_EVERY
+        sent_at = time.monotonic()  # when the stream last sent something (the response's headers count)
         try:
             while True:
                 state, metrics = await run_in_threadpool(store.run_snapshot, engine, run_id, metric_step)
+                sent_at = time.monotonic() if (state is None or state["status"] != last_status
+                                               or state["step"] != last_step or metrics) else sent_at  # fmt: skip
                 if state is None:
                     yield _sse("status", {"status": "deleted"})
                     return
@@ -384,10 +395,14 @@ async def stream_run(
                             yield _sse("unauthorized", {"detail": "the token or session was revoked, expired or ended"})
                             return
                         recheck_at = time.monotonic() + RECHECK_EVERY
+                    if time.monotonic() - sent_at >= KEEPALIVE_EVERY:
+                        yield KEEPALIVE
+                        sent_at = time.monotonic()
                     left = wake - time.monotonic()
                     if left <= 0:
                         break
-                    await asyncio.sleep(min(left, max(0.0, recheck_at - time.monotonic()) + 0.01))
+                    due = min(recheck_at, sent_at + KEEPALIVE_EVERY) - time.monotonic()
+                    await asyncio.sleep(min(left, max(0.0, due) + 0.01))
         except STORE_FAULTS as exc:  # the answer has begun: no 503 now; end it, the client reconnects
             log.warning("run %s stream ended: the store failed (%s)", run_id, type(exc).__name__)
             yield _sse("unavailable", {"detail": "the run store is unavailable: reconnect shortly"})

@@ -1,8 +1,10 @@
 "use strict";
 // Charts of the run and compare pages, on uPlot: a legend with the step and every series' value under the cursor,
 // EMA smoothing (the smoothed line bold, the raw line faint), a log-scale toggle per chart (refused, with the
-// reason, while a series has a value <= 0), integer step ticks, a sensible y range for flat series, live updates
-// batched per chart that keep a drag-zoom until the reader resets it, and a per-step histogram of a rollout column. Text from the server goes in as textContent.
+// reason, while a series has a value <= 0), integer step ticks (a lone step: the steps around it), nice y ticks
+// labelled as precisely as their step needs, a sensible y range for flat series, live updates batched per chart
+// that keep a drag-zoom until the reader resets it, and a per-step histogram of a rollout column. Text from the
+// server goes in as textContent.
 const CollageCharts = (() => {
   const { api, el, PALETTE } = Collage;
   const SVG = "http://www.w3.org/2000/svg";
@@ -17,7 +19,59 @@ const CollageCharts = (() => {
     if (v !== 0 && (Math.abs(v) >= 1e6 || Math.abs(v) < 1e-4)) return v.toExponential(4);
     return String(Number(v.toPrecision(6)));
   }
+  // A log axis's label (its ticks are 1..9 x 10^k: three significant digits tell them apart).
   const tick = v => v === null ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-2) ? v.toExponential(1) : String(+v.toPrecision(3));
+
+  // The ticks of a linear y axis between min and max: about `count` of them, a "nice" step apart (1, 2 or 5 x
+  // 10^k), each a whole multiple of the step (so 6.7310, 6.7312, ... for a series that moves in the fourth decimal).
+  function ticks(min, max, count = 5) {
+    if (!Number.isFinite(min) || !Number.isFinite(max) || max < min) return [];
+    if (max === min) return [min];
+    const raw = (max - min) / Math.max(1, count);
+    let exp = Math.floor(Math.log10(raw));
+    const f = raw / Math.pow(10, exp);
+    let m = f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10;
+    if (m === 10) { m = 1; exp += 1; }
+    const step = Number(`${m}e${exp}`), decimals = Math.min(100, Math.max(0, -exp));
+    const first = Math.ceil(min / step - 1e-9), last = Math.floor(max / step + 1e-9), out = [];
+    for (let k = first; k <= last && out.length < 1000; k++) {
+      const v = Number((k * step).toFixed(decimals));
+      if (out[out.length - 1] !== v) out.push(v);
+    }
+    return out;
+  }
+
+  // Labels of a linear axis's ticks: every tick with the same number of decimals, as many as it takes to write
+  // each tick exactly and no more (6.7310, 6.7312 for ticks 0.0002 apart; 0, 20, 40 for ticks 20 apart), so that
+  // distinct ticks never read the same; exponents (1.2e6, 5e-4) for magnitudes >= 1e6 or < 1e-3.
+  function tickLabels(values) {
+    const vs = values.filter(v => v !== null && Number.isFinite(v));
+    if (!vs.length) return values.map(() => "");
+    const maxAbs = Math.max(...vs.map(Math.abs));
+    let step = Infinity;
+    for (let i = 1; i < vs.length; i++) { const d = Math.abs(vs[i] - vs[i - 1]); if (d > 0 && d < step) step = d; }
+    if (!Number.isFinite(step)) step = maxAbs || 1;  // a single tick: its own magnitude
+    // p: the last decimal place any tick needs (-4: the fourth decimal), from the step's own place downwards
+    const exact = q => vs.every(v => Math.abs(Math.round(v / Math.pow(10, q)) * Math.pow(10, q) - v) <= step * 1e-6);
+    let p = Math.floor(Math.log10(step)) + 1;  // one place up: a step of 0.001 may be computed as 0.000999...
+    for (let n = 0; n < 24 && !exact(p); n++) p -= 1;
+    const sci = maxAbs >= 1e6 || maxAbs < 1e-3;
+    return values.map(v => {
+      if (v === null || !Number.isFinite(v)) return "";
+      if (!sci) return v.toFixed(Math.min(100, Math.max(0, -p)));
+      if (v === 0) return "0";
+      return v.toExponential(Math.min(100, Math.max(0, Math.floor(Math.log10(Math.abs(v))) - p))).replace("e+", "e");
+    });
+  }
+
+  // The x range of a chart's steps xs (ascending): every step; one step alone (a single evaluation, or every
+  // series at the same step) gets a step on each side of it, so that its axis shows steps around it, not 0..100.
+  function xRange(xs, min, max) {
+    const known = (xs || []).filter(x => x !== null && Number.isFinite(x));
+    if (known.length && known[0] === known[known.length - 1]) return [known[0] - 1, known[0] + 1];
+    if (!Number.isFinite(min) || !Number.isFinite(max)) return [0, 1];
+    return min === max ? [min - 1, max + 1] : [min, max];
+  }
 
   // TensorBoard's / W&B's exponential moving average, debiased so the first points are not pulled towards 0.
   // Gaps (null) stay gaps and do not advance the average.
@@ -187,19 +241,27 @@ const CollageCharts = (() => {
         legend: { show: true, live: true },
         cursor: { drag: { x: true, y: false } },
         scales: {
-          x: { time: false, range: (u, min, max) => !Number.isFinite(min) || !Number.isFinite(max) ? [0, 1]
-            : min === max ? [Math.max(0, min - 1), max + 1] : [min, max] },
+          // uPlot widens a lone x value to a range of its own (20 → 0..40) before asking: the data decides
+          x: { time: false, range: (u, min, max) => xRange(u.data && u.data[0], min, max) },
           y: { distr: log ? 3 : 1, log: 10, range: (u, min, max) => yRange(min, max, log) },
         },
         series: uSeries,
         axes: [
           { ...axis, size: 30, space: 40, incrs: STEP_INCRS,
             values: (u, splits) => {
-              const labels = splits.map(v => Number.isInteger(v) ? String(v) : "");
+              const labels = splits.map(v => Number.isInteger(v) && v >= 0 ? String(v) : "");
               box.dataset.xticks = labels.filter(Boolean).join(",");
               return labels;
             } },
-          { ...axis, size: 56, values: (u, vals) => vals.map(tick) },
+          { ...axis, space: 30,
+            // linear: nice ticks, labelled as precisely as their step needs (see ticks, tickLabels)
+            ...(log ? {} : { splits: (u, i, min, max) => ticks(min, max, Math.max(2, Math.round(u.bbox.height / uPlot.pxRatio / 34))) }),
+            size: (u, values) => values && values.length ? Math.max(40, Math.ceil(Math.max(...values.map(v => String(v).length)) * 6.6) + 18) : 56,
+            values: (u, vals) => {
+              const labels = log ? vals.map(tick) : tickLabels(vals);
+              box.dataset.yticks = labels.filter(Boolean).join(",");
+              return labels;
+            } },
         ],
         hooks: {
           setScale: [(u, key) => {
@@ -380,6 +442,6 @@ const CollageCharts = (() => {
     }
   }
 
-  return { Chart, Histogram, ema, yRange, fmt, ingest, setSmoothing, bindSmoothing, parseEvent, registry,
+  return { Chart, Histogram, ema, yRange, xRange, ticks, tickLabels, fmt, ingest, setSmoothing, bindSmoothing, parseEvent, registry,
     get smoothing() { return smoothing; } };
 })();

@@ -2,18 +2,21 @@
 // The run page's Checkpoints panel: every checkpoint of the run (step, attempt, size, when, adapter or full, the
 // metric that picks the best, a badge on the best), a Download of each (a tar of its model folder) and an Export as a
 // plain transformers folder, made by a worker (GET /exports/{id} followed until it ends, then its download). The list
-// is read again while the run is live, so new checkpoints appear. Every refusal (429: one export at a time per
-// token, or too many downloads at once; 404; 409; 410) is shown in the panel, never swallowed.
+// is read again while the run is live, so new checkpoints appear. Below it, the run's exports (GET
+// /runs/{id}/exports: every token's, newest first, with step, merged or not, status, size, who, and a download once
+// done), read from the server, so a finished export is still there after the tab is left or reloaded; this token's
+// export still in flight is followed again on load. Every refusal (429: one export at a time per token, or too many
+// downloads at once; 404; 409; 410) is shown in the panel, never swallowed.
 (() => {
   const { api, el, num, when } = Collage;
   const runId = document.getElementById("run").dataset.run;
   const ENDED = ["succeeded", "failed", "cancelled"];
   const LIVE_EVERY = 5000;  // ms between looks at the list while the run may still write checkpoints
   const FOLLOW_EVERY = 1000;  // ms between looks at a running export
-  const memory = `collage:export:${runId}`;  // the export this tab follows, kept across a reload
   const $ = id => document.getElementById(id);
   let timer = null;
   let following = null;
+  let exportsTimer = null;
 
   function bytes(n) {
     if (n === null || n === undefined) return "–";
@@ -63,6 +66,49 @@
     } catch (err) {
       refuse(`Checkpoints could not be read: ${detail(err)}`);
     }
+    loadExports();
+  }
+
+  function weights(e) {
+    if (e.merge_lora) return "LoRA merged";
+    return e.kind ?? "–";
+  }
+
+  function renderExports(items) {
+    const table = $("exports-table");
+    $("exports-note").textContent = items.length ? "" : "No export yet.";
+    $("exports-note").hidden = !!items.length;
+    table.hidden = !items.length;
+    table.tBodies[0].replaceChildren(...items.map(e => el("tr", { "data-export": e.id, "data-step": e.step ?? "" },
+      el("td", { text: e.step ?? "–" }),
+      el("td", { class: "weights", text: weights(e) }),
+      el("td", {}, el("span", { class: "status status-" + e.status, text: e.status, title: e.error || e.removed || null })),
+      el("td", { class: "num", text: e.status === "succeeded" ? bytes(e.bytes) : "–" }),
+      el("td", { class: "who", text: e.created_by ?? "–" }),
+      el("td", { text: when(e.created_at) }),
+      el("td", { text: when(e.finished_at) }),
+      el("td", {}, e.download_url
+        ? el("a", { class: "button small download-export", href: e.download_url, download: "",
+          onclick: ev => { ev.preventDefault(); download(e.download_url); } }, "Download")
+        : el("span", { class: "muted", text: e.removed ? "removed" : "–", title: e.removed || null })),
+    )));
+  }
+
+  // the run's exports; read again while one of them has not ended (another token's, too)
+  async function loadExports() {
+    let items;
+    try {
+      items = (await api(`/runs/${runId}/exports`)).items;
+    } catch (err) {
+      refuse(`Exports could not be read: ${detail(err)}`);
+      return;
+    }
+    renderExports(items);
+    clearTimeout(exportsTimer);  // one chain of re-reads, however many reads were in flight
+    exportsTimer = null;
+    const mineLive = items.find(e => e.mine && !ENDED.includes(e.status));
+    if (mineLive && !following) follow(mineLive.id);  // this token's export in flight, after a reload
+    if (items.some(e => !ENDED.includes(e.status))) exportsTimer = setTimeout(loadExports, LIVE_EVERY);
   }
 
   // A download is a plain link once the server said yes: asked first with fetch, so a refusal (429, 409, 410) is
@@ -95,8 +141,8 @@
     const merge = $("merge-lora").checked && checkpoint.kind === "adapter";
     try {
       const made = await api(`/runs/${runId}/exports`, { method: "POST", body: { step: checkpoint.step, merge_lora: merge } });
-      sessionStorage.setItem(memory, made.id);
       follow(made.id);
+      loadExports();
     } catch (err) {
       refuse(`Not exported: ${detail(err)}`);
     }
@@ -126,12 +172,12 @@
       try {
         e = await api(`/exports/${id}`);
       } catch (err) {
-        if (err.status === 404) { sessionStorage.removeItem(memory); $("export-box").hidden = true; following = null; return; }
+        if (err.status === 404) { $("export-box").hidden = true; following = null; return; }
         await new Promise(r => setTimeout(r, FOLLOW_EVERY));
         continue;
       }
       showExport(e);
-      if (ENDED.includes(e.status)) { following = null; return; }
+      if (ENDED.includes(e.status)) { following = null; loadExports(); return; }
       await new Promise(r => setTimeout(r, FOLLOW_EVERY));
     }
   }
@@ -162,6 +208,4 @@
 
   load();
   schedule();
-  const remembered = sessionStorage.getItem(memory);
-  if (remembered) follow(remembered);
 })();

@@ -77,11 +77,21 @@ const Collage = (() => {
     return (seconds / 3600).toFixed(1) + " h";
   }
 
+  // The time left of a running run, from its current attempt's recent step time (the training process measures it:
+  // a resumed run's earlier attempt, or its first slow steps, never skew it); "estimating" until the attempt has
+  // finished a step, null when the run is not training.
   function timeLeft(run) {
     const { step, max_steps } = run.progress;
-    if (!run.started_at || step <= 0 || step >= max_steps || !["running", "cancelling"].includes(run.status)) return null;
-    const elapsed = (Date.now() - new Date(run.started_at).getTime()) / 1000;
-    return elapsed / step * (max_steps - step);
+    if (step >= max_steps || !["running", "cancelling"].includes(run.status)) return null;
+    if (run.seconds_per_step === null || run.seconds_per_step === undefined) return "estimating";
+    return run.seconds_per_step * (max_steps - step);
+  }
+
+  // "· 3 min left", "· estimating time left", or "" (see timeLeft)
+  function leftText(run) {
+    const left = timeLeft(run);
+    if (left === null) return "";
+    return left === "estimating" ? " · estimating time left" : ` · ${duration(left)} left`;
   }
 
   function sparkline(points, width = 90, height = 22) {
@@ -199,7 +209,7 @@ const Collage = (() => {
   }
 
   return {
-    api, el, num, when, duration, timeLeft, sparkline, toYaml, modal, chart, appendPoint, PALETTE, promptNode,
+    api, el, num, when, duration, timeLeft, leftText, sparkline, toYaml, modal, chart, appendPoint, PALETTE, promptNode,
     cssVar, seriesColor, scheme, themed, axisColors,
   };
 })();

@@ -11,6 +11,13 @@
 
   function lossType() { return form.querySelector('[name="train.loss_type"]')?.value; }
 
+  // the synthetic task's own fields (rows, images per row, its seed) apply to a synth:<task> source only: shown and
+  // sent with one, left out of the config otherwise (the schema's defaults then, which a local dataset ignores)
+  const SYNTH_ONLY = ["dataset.rows", "dataset.min_images", "dataset.max_images", "dataset.seed"];
+  function sourceValue() { return form.querySelector('[name="dataset.source"]').value.trim(); }
+  function isSynth(source = sourceValue()) { return source.startsWith("synth:"); }
+  function showSourceFields() { document.getElementById("synth-fields").hidden = !isSynth(); }
+
   // a field of one algorithm, or of some loss types (sapo_*, vespo_*, delta), is shown and sent only with them
   function applies(field, algo) {
     if (field.dataset.algorithm && field.dataset.algorithm !== algo) return false;
@@ -45,6 +52,7 @@
       const path = input.name;
       if (path === "algorithm" || path.startsWith("reward.")) continue;
       if (path.startsWith("model.lora.") && !document.getElementById("lora-on").checked) continue;
+      if (SYNTH_ONLY.includes(path) && !isSynth()) continue;
       const field = input.closest("[data-algorithm], [data-loss-types]");
       if (field && !applies(field, out.algorithm)) continue;
       const value = read(input);
@@ -62,15 +70,21 @@
     return out;
   }
 
+  // a reward row has three inputs: each error slot names the one input its error is about (data-control), so
+  // that a bad name marks the name alone, not the weight and the images choice beside it
+  const REWARD_KEYS = { name: "reward.name", weight: "reward.weight", on_images_for_text_reward: "reward.on_images" };
+  let rewardIds = 0;
+
   function addReward(name = "", weight = 1, mode = "error") {
     const index = rewardsBox.children.length;
-    const row = el("div", { class: "reward field", "data-path": `rewards[${index}]` },
-      el("input", { name: "reward.name", list: "reward-options", value: name, placeholder: "built-in, package.module:function, or a reward-model folder", "aria-label": "reward name" }),
-      el("label", {}, "weight ", el("input", { name: "reward.weight", value: String(weight), size: 4, "aria-label": "reward weight" })),
-      el("label", {}, "images for a text reward model ", el("select", { name: "reward.on_images" }, el("option", { value: "error", text: "refuse" }), el("option", { value: "drop", text: "drop with a warning" }))),
+    const id = ++rewardIds;
+    const row = el("div", { class: "reward", "data-path": `rewards[${index}]` },
+      el("input", { name: "reward.name", id: `reward-${id}-name`, list: "reward-options", value: name, placeholder: "built-in, package.module:function, or a reward-model folder", "aria-label": "reward name" }),
+      el("label", {}, "weight ", el("input", { name: "reward.weight", id: `reward-${id}-weight`, value: String(weight), size: 4, "aria-label": "reward weight" })),
+      el("label", {}, "images for a text reward model ", el("select", { name: "reward.on_images", id: `reward-${id}-on_images`, "aria-label": "images for a text reward model" }, el("option", { value: "error", text: "refuse" }), el("option", { value: "drop", text: "drop with a warning" }))),
       el("button", { type: "button", class: "link", text: "remove", onclick: () => { row.remove(); renumber(); } }),
-      el("span", { class: "error", "data-error-for": `rewards[${index}].name` }),
-      el("span", { class: "error", "data-error-for": `rewards[${index}].weight` }));
+      ...Object.entries(REWARD_KEYS).map(([key, input]) => el("span", { class: "error", "data-key": key,
+        "data-error-for": `rewards[${index}].${key}`, "data-control": `reward-${id}-${input.slice(7)}` })));
     row.querySelector("select").value = mode;
     rewardsBox.append(row);
   }
@@ -78,27 +92,37 @@
   function renumber() {
     [...rewardsBox.children].forEach((row, i) => {
       row.dataset.path = `rewards[${i}]`;
-      const [n, w] = row.querySelectorAll(".error");
-      n.dataset.errorFor = `rewards[${i}].name`; w.dataset.errorFor = `rewards[${i}].weight`;
+      for (const slot of row.querySelectorAll(".error[data-key]")) slot.dataset.errorFor = `rewards[${i}].${slot.dataset.key}`;
     });
   }
 
   function clearErrors() {
     for (const e of form.querySelectorAll("[data-error-for]")) e.textContent = "";
     for (const f of form.querySelectorAll(".field.invalid")) f.classList.remove("invalid");
+    for (const c of form.querySelectorAll('[aria-invalid="true"]')) c.removeAttribute("aria-invalid");
     document.getElementById("form-error").hidden = true;
   }
 
   function showErrors(detail) {
     const unplaced = [];
+    const marked = [];
     for (const { path, message } of detail) {
       const slot = form.querySelector(`[data-error-for="${CSS.escape(path)}"]`);
-      if (slot) { slot.textContent = message; slot.closest(".field")?.classList.add("invalid"); }
-      else unplaced.push(`${path}: ${message}`);
+      if (!slot) { unplaced.push(`${path}: ${message}`); continue; }
+      slot.textContent = message;
+      // the error's own input when the slot names it (a reward's name, one column of the mapping), else the
+      // field's inputs; a collapsed group holding it opens, so that no error is out of sight
+      const control = slot.dataset.control && document.getElementById(slot.dataset.control);
+      const field = slot.closest(".field");
+      if (!control && field) field.classList.add("invalid");
+      const controls = control ? [control] : field ? [...field.querySelectorAll("input, select, textarea")] : [];
+      for (const c of controls) { c.setAttribute("aria-invalid", "true"); marked.push(c); }
+      for (let d = slot.closest("details"); d; d = d.parentElement.closest("details")) d.open = true;
     }
     const top = document.getElementById("form-error");
     if (unplaced.length) { top.textContent = unplaced.join("; "); top.hidden = false; }
-    form.querySelector(".field.invalid input, .field.invalid select")?.focus();
+    const first = marked.find(c => c.type !== "hidden");
+    if (first) first.focus();
   }
 
   let previewSeq = 0;  // the newest Preview and check
@@ -164,9 +188,9 @@
     liveTimer = setTimeout(() => {
       const rowsBox = document.querySelector("#preview .preview-rows-box");
       if (!rowsBox) return;
-      const source = form.querySelector('[name="dataset.source"]').value.trim();
+      const source = sourceValue();
       const seq = ++rowsSeq;  // the check of a Preview still running is kept: only the rows are asked again
-      loadRows(seq, rowsBox, source, config(), source.startsWith("synth:")).then(() => {
+      loadRows(seq, rowsBox, source, config(), isSynth(source)).then(() => {
         if (seq === rowsSeq) document.getElementById("preview").dataset.live = String(seq);
       });
     }, 300);
@@ -192,9 +216,9 @@
     const box = document.getElementById("preview");
     const button = document.getElementById("preview-btn");
     const seq = ++previewSeq;
-    const source = form.querySelector('[name="dataset.source"]').value.trim();
+    const source = sourceValue();
     const c = config();
-    const synth = source.startsWith("synth:");
+    const synth = isSynth(source);
     const progress = progressNode("Reading and checking the dataset…");
     const rowsBox = el("div", { class: "preview-rows-box" });
     const reportBox = el("div", { class: "preview-report" });
@@ -204,6 +228,8 @@
     const rowsDone = loadRows(++rowsSeq, rowsBox, source, c, synth).then(data => {
       if (!data) return;
       setColumnChoices(data.column_names);
+      // a dataset of its own: the mapping is what to look at next, so its group opens
+      if (!synth && data.column_names.length) document.getElementById("columns-group").open = true;
       // the guess replaces the defaults until the user picks a column; Preview and check run again with it once
       // this check has answered (two at once would pass the server's dataset requests per user)
       if (!mappingTouched && !c.dataset.columns && Object.keys(data.guess || {}).length) {
@@ -211,18 +237,27 @@
         rerunWithGuess = true;
       }
     });
-    const checkDone = api("/datasets/check", { method: "POST", body: {
-      source, split: c.dataset.split, model: c.model.path, max_prompt_length: c.train.max_prompt_length || null,
-      rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed,
+    const evalBox = el("div", { class: "preview-eval-report" });
+    const check = (src, split, into) => api("/datasets/check", { method: "POST", body: {
+      source: src, split, model: c.model.path, max_prompt_length: c.train.max_prompt_length || null,
+      ...(isSynth(src) ? { rows: c.dataset.rows, min_images: c.dataset.min_images, max_images: c.dataset.max_images, seed: c.dataset.seed } : {}),
       columns: c.dataset.columns, prompt_template: c.dataset.prompt_template || null,
       system_prompt: c.dataset.system_prompt || null, config_name: c.dataset.config_name || null,
       check: c.dataset.check || "auto",
-    } }).then(report => {
-      if (seq !== previewSeq) return;
-      const parts = [el("p", { class: report.ok ? "ok" : "error", text: report.summary })];
-      if (report.errors.length) parts.push(el("ul", { class: "problems" }, report.errors.slice(0, 50).map(e => el("li", { text: `row ${e.row}: ${e.message}` }))));
-      reportBox.replaceChildren(...parts);
-    }, err => { if (seq === previewSeq) reportBox.replaceChildren(el("p", { class: "error", text: errorText(err) })); });
+    } }).then(report => { if (seq === previewSeq) into.replaceChildren(...reportNodes(report)); },
+      err => { if (seq === previewSeq) into.replaceChildren(el("p", { class: "error", text: errorText(err) })); });
+    // the held-out split (dataset.eval_split, read from eval_source when set) is checked too, after the training
+    // split's check (the server takes two dataset requests of a user at once: the rows and one check)
+    const evalSplit = c.dataset.eval_split;
+    const evalSource = c.dataset.eval_source || source;
+    const checkDone = check(source, c.dataset.split, reportBox).then(() => {
+      if (!evalSplit || seq !== previewSeq) return null;
+      reportBox.after(evalBox);
+      evalBox.replaceChildren(el("h3", { text: `Held-out split ${evalSplit}` + (c.dataset.eval_source ? ` of ${evalSource}` : "") }),
+        el("p", { class: "muted", text: "checking…" }));
+      const body = el("div");
+      return check(evalSource, evalSplit, body).then(() => { if (seq === previewSeq) evalBox.replaceChildren(evalBox.firstChild, ...body.childNodes); });
+    });
     await Promise.allSettled([rowsDone, checkDone]);
     progress.stop();
     if (seq !== previewSeq) return;
@@ -233,6 +268,42 @@
     if (rerunWithGuess) { rerunWithGuess = false; preview(); }
   }
 
+  function reportNodes(report) {
+    // a check's answer: its summary, the images converted as the processor does, by kind, and the bad rows
+    const parts = [el("p", { class: report.ok ? "ok" : "error", text: report.summary })];
+    const kinds = Object.entries(report.conversions || {}).sort((a, b) => b[1] - a[1]);
+    if (kinds.length) {
+      parts.push(el("ul", { class: "conversions", "aria-label": "images converted, by kind" },
+        kinds.map(([kind, n]) => el("li", {}, el("span", { class: "kind", text: kind }), el("span", { class: "count", text: `${n} image${n === 1 ? "" : "s"}` })))));
+    }
+    if (report.large_images?.length) {
+      parts.push(el("p", { class: "muted", text: `${report.large_images.length} image(s) over 16 MP: ` +
+        report.large_images.slice(0, 5).map(i => `row ${i.row} image ${i.image} (${i.width}x${i.height})`).join(", ") }));
+    }
+    if (report.errors.length) parts.push(el("ul", { class: "problems" }, report.errors.slice(0, 50).map(e => el("li", { text: `row ${e.row}: ${e.message}` }))));
+    return parts;
+  }
+
+  // the preview's other columns, readable: an image struct ({bytes, path}) shows as an image marker, a list of
+  // them as their count, a long value shortened (its whole text on hover)
+  const VALUE_MAX = 80;
+  function isImageStruct(v) {
+    return v !== null && typeof v === "object" && !Array.isArray(v) && Object.keys(v).length > 0
+      && Object.keys(v).every(k => k === "bytes" || k === "path") ;
+  }
+  function shorten(text) { return text.length > VALUE_MAX ? text.slice(0, VALUE_MAX - 1) + "…" : text; }
+  function columnValue(v) {
+    if (isImageStruct(v)) return el("span", { class: "col-image", title: v.path || "image bytes", text: "image" });
+    if (Array.isArray(v) && v.length && v.every(isImageStruct)) {
+      return el("span", { class: "col-image", title: v.map(i => i.path || "image bytes").join(", "), text: `${v.length} image${v.length === 1 ? "" : "s"}` });
+    }
+    const text = typeof v === "string" ? v : JSON.stringify(v);
+    return el("span", { class: "col-value", title: text.length > VALUE_MAX ? text.slice(0, 2000) : null, text: shorten(text) });
+  }
+  function columnsNode(columns) {
+    return el("dl", { class: "preview-columns" }, Object.entries(columns).flatMap(([k, v]) => [el("dt", { text: k }), el("dd", {}, columnValue(v))]));
+  }
+
   function enlarge(image) {
     Collage.modal(el("figure", {}, el("img", { src: image.url, alt: "image " + image.sha256, class: "full" }), el("figcaption", { text: `${image.width}x${image.height}` })));
   }
@@ -241,10 +312,10 @@
     return el("table", { class: "preview-rows" },
       el("thead", {}, el("tr", {}, ["Row", "Images", "Prompt", "Columns"].map(h => el("th", { text: h })))),
       el("tbody", {}, rows.map(r => el("tr", { "data-row": String(r.row) },
-        el("td", { text: "row " + r.row }),
-        el("td", { class: "thumbs" }, r.images.map((im, i) => el("img", { src: im.thumb_url, alt: `image ${i + 1}`, class: "thumb", width: 56, onclick: () => enlarge(im) }))),
+        el("td", { class: "row-id", text: "row " + r.row }),
+        el("td", { class: "thumbs", "data-label": "images" }, r.images.map((im, i) => el("img", { src: im.thumb_url, alt: `image ${i + 1}`, class: "thumb", width: 56, onclick: () => enlarge(im) }))),
         el("td", {}, r.error ? el("span", { class: "error", text: r.error }) : promptNode(r.prompt, r.images)),
-        el("td", { class: "muted", text: Object.entries(r.columns).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ").slice(0, 300) }),
+        el("td", { class: "columns muted" }, columnsNode(r.columns)),
       ))));
   }
 
@@ -268,9 +339,19 @@
     rewardsBox.replaceChildren();
     for (const r of cfg.rewards) addReward(r.name, r.weight, r.on_images_for_text_reward || "error");
     showAlgorithmFields();
+    showSourceFields();
   }
 
+  form.addEventListener("input", e => { if (e.target.name === "dataset.source") showSourceFields(); });
+  document.getElementById("expand-all").addEventListener("click", e => {
+    // every collapsed group at once (and back): to read or search the whole form
+    const open = e.currentTarget.getAttribute("aria-pressed") !== "true";
+    for (const d of form.querySelectorAll("details")) d.open = open;
+    e.currentTarget.setAttribute("aria-pressed", String(open));
+    e.currentTarget.textContent = open ? "Collapse the advanced settings" : "Show every setting";
+  });
   form.addEventListener("change", e => {
+    if (e.target.name === "dataset.source") showSourceFields();
     if (e.target.name === "algorithm" || e.target.name === "train.loss_type") showAlgorithmFields();
     if (e.target.dataset.column) { mappingTouched = true; livePreview(); }
   });
@@ -315,5 +396,6 @@
     if (clone) fill((await api("/runs/" + clone)).config);
     else { addReward("accuracy", 1.0); addReward("numeric", 0.5); }
     showAlgorithmFields();
+    showSourceFields();
   })();
 })();

@@ -87,6 +87,7 @@
       if (!runs.length) { form.querySelector(`input[name="kind-${slot}"][value="path"]`).checked = true; showKind(slot); }
       loadSteps(slot);
     }
+    suggestPrompt();
   }
 
   // Whether this server lists a run's checkpoints (its API schema has the route): asked once, so that a server
@@ -210,6 +211,29 @@
     }).join("\n");
   }
 
+  // A rollout row as an option: what tells rows of one task apart (their answer, reward, images) before the prompt
+  // text, which is often the same for every row.
+  function rowLabel(s) {
+    const answer = s.columns && s.columns.answer !== undefined && s.columns.answer !== null ? ` · answer ${String(s.columns.answer).slice(0, 20)}` : "";
+    return `step ${s.step} · group ${s.group}${answer} · reward ${num(s.reward)} · ${plural(s.images.length, "image")} · ` +
+      promptText(s.prompt).slice(0, 60);
+  }
+
+  // The prompt box starts with the chosen run's own prompt (its newest rollout row's text, without image markers),
+  // never a demo task's, unless the person already typed one.
+  async function suggestPrompt() {
+    const box = document.getElementById("prompt");
+    const runId = document.getElementById("run-0").value;
+    if (kind(0) !== "run" || !runId || (box.value.trim() && box.dataset.suggested !== box.value)) return;
+    try {
+      const page = await api(`/runs/${encodeURIComponent(runId)}/samples`, { params: { limit: 1, sort: "-step" } });
+      const sample = page.items[0];
+      if (!sample || (box.value.trim() && box.dataset.suggested !== box.value)) return;
+      const text = promptText(sample.prompt).replace(/\[image \d+\]/g, "").trim();
+      box.value = box.dataset.suggested = text;
+    } catch (err) { /* no rows to suggest from: the box stays empty, its placeholder says what goes there */ }
+  }
+
   async function loadRows() {
     const runId = document.getElementById("run-0").value;
     if (kind(0) !== "run" || !runId) { showError("Pick a run for the first model: its rollout rows are offered."); return; }
@@ -218,7 +242,7 @@
       const seen = new Set();
       const rows = page.items.filter(s => { const key = `${s.step}:${s.group}`; if (seen.has(key)) return false; seen.add(key); return true; });
       rowsSelect.replaceChildren(el("option", { value: "", text: rows.length ? "choose a rollout row…" : "this run has no rollout rows yet" }),
-        ...rows.map((s, i) => el("option", { value: String(i), text: `step ${s.step} · group ${s.group} · ${s.images.length} image(s) · ${promptText(s.prompt).slice(0, 80)}` })));
+        ...rows.map((s, i) => el("option", { value: String(i), text: rowLabel(s) })));
       rowsSelect.hidden = false;
       rowsSelect.rows = rows;
       rowsSelect.focus();
@@ -273,6 +297,7 @@
     try {
       const created = await api("/generate", { method: "POST", body: request() });
       current = created.id;
+      showStatus(created);  // the new generation's state at once, never the previous one's until the first poll
       history.replaceState(null, "", `${location.pathname}?id=${encodeURIComponent(current)}`);
       cancelButton.hidden = false;
       cancelButton.disabled = false;
@@ -317,6 +342,7 @@
     document.getElementById("pg-message").textContent = job.message || "";
     document.getElementById("pg-bar").style.width = `${Math.round((job.progress || 0) * 100)}%`;
     statusBox.dataset.status = job.status;
+    statusBox.dataset.job = job.id;
   }
 
   async function cancel() {
@@ -339,9 +365,11 @@
     return list;
   }
 
+  function plural(count, word) { return `${count} ${word}${count === 1 ? "" : "s"}`; }
+
   function column(result) {
     const m = result.model;
-    const meta = `${result.prompt_tokens} prompt tokens (${result.image_tokens} for images) · ${num(result.seconds, 1)} s · ` +
+    const meta = `${plural(result.prompt_tokens, "prompt token")} (${result.image_tokens} for images) · ${num(result.seconds, 1)} s · ` +
       `${result.reused ? "model already loaded" : "model loaded now"} · ${result.device}`;
     const box = el("article", { class: "column pg-column", "data-model": m.label },
       el("h2", { text: m.label }), el("p", { class: "muted pg-meta", text: meta }));
@@ -354,7 +382,7 @@
       const head = el("header", {},
         el("b", { text: `#${i + 1}` }),
         c.reward === null || c.reward === undefined ? null : el("span", { class: "badge pg-total", text: `reward ${num(c.reward)}` }),
-        el("span", { class: "muted", text: ` ${c.tokens} tokens` }),
+        el("span", { class: "muted", text: ` ${plural(c.tokens, "token")}` }),
         c.truncated ? el("span", { class: "badge", text: "truncated" }) : null,
         el("span", { class: "muted", text: ` · log-prob ${num(c.logprob, 2)}` }));
       list.append(el("li", { class: "pg-completion" }, head, el("pre", { class: "completion", text: c.text }), rewardList(result, i)));
@@ -375,7 +403,7 @@
   // ------------------------------------------------------------------------------------------- wiring
   for (const slot of [0, 1]) {
     for (const radio of form.querySelectorAll(`input[name="kind-${slot}"]`)) radio.addEventListener("change", () => showKind(slot));
-    document.getElementById(`run-${slot}`).addEventListener("change", () => loadSteps(slot));
+    document.getElementById(`run-${slot}`).addEventListener("change", () => { loadSteps(slot); if (slot === 0) suggestPrompt(); });
     showKind(slot);
   }
   second.addEventListener("change", () => { slotBox(1).disabled = !second.checked; });

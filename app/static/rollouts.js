@@ -4,8 +4,8 @@
 // completion; an image gallery (arrow keys or j/k, Escape closes); a group view (one prompt, its completions side
 // by side, ranked by reward); live: new steps are announced, never pushed under the reader; every filter and the
 // sort live in the URL query under the API's own parameter names; a split selector shows the training rollouts
-// or the held-out evaluation's (split=eval: the table, count, group view, gallery and exports follow it). Untrusted
-// text is only ever shown as text.
+// or the held-out evaluation's (split=eval: the table, count, group view, gallery and exports follow it); the step
+// slider walks the steps that have rows of the chosen split. Untrusted text is only ever shown as text.
 (() => {
   const { api, el, num, promptNode } = Collage;
   const ENDED = ["succeeded", "failed", "cancelled", "deleted"];
@@ -18,7 +18,8 @@
   const more = document.getElementById("more");
   const count = document.getElementById("count");
   const totalBox = document.getElementById("total");
-  const slider = form.querySelector('[name="step"]');
+  const slider = document.getElementById("step-slider");  // position i > 0: the i-th step with rows, 0: every step
+  const stepField = form.querySelector('[name="step"]');  // the step itself, as the API and the URL name it
   const stepOut = document.getElementById("step-out");
   const formError = document.getElementById("filters-error");
   const newBar = document.getElementById("new-steps-bar");
@@ -30,6 +31,7 @@
   let newestStep = 0;  // the newest step with rollout rows the page knows of
   let loadedTop = 0;   // ... and the newest one when the table was last loaded from the first page
   let group = null;    // {step, group} while the group view is open
+  let stepList = [];   // the steps with rollout rows of the split shown, ascending: the slider's positions
   const splitField = form.querySelector('[name="split"]');
   const evaluation = () => splitField.value === "eval";
   // filters that mean nothing for evaluation rollouts (no advantage, no learning signal): off while they are shown
@@ -41,7 +43,6 @@
     const p = {};
     for (const [name, value] of new FormData(form)) {
       if (String(value).trim() === "") continue;
-      if (name === "step" && Number(value) <= 0) continue;  // the slider's 0 is "every step"
       if (name === "sort" && value === "step") continue;    // the API's default
       if (name === "split" && value === "train") continue;  // the API's default
       p[name] = value;
@@ -64,7 +65,6 @@
       if (field.tagName === "SELECT" && ![...field.options].some(o => o.value === value)) {
         field.append(el("option", { value, text: value }));  // shown as it is; the API says whether it is valid
       }
-      if (field.type === "range" && Number(value) > Number(field.max)) field.max = value;
       field.value = value;
     }
     showStep();
@@ -72,7 +72,36 @@
     return view ? { step: Number(view[1]), group: Number(view[2]) } : null;
   }
 
-  function showStep() { stepOut.textContent = Number(slider.value) > 0 ? slider.value : "all"; }
+  function showStep() {
+    stepOut.textContent = stepField.value.trim() !== "" ? stepField.value : "all";
+    slider.setAttribute("aria-valuetext", stepField.value.trim() !== "" ? `step ${stepField.value}` : "every step");
+  }
+
+  // "1 row", "2 rows", "1,234 rows"
+  const plural = (n, word) => `${n.toLocaleString("en")} ${word}${n === 1 ? "" : "s"}`;
+
+  // The slider's positions: every step (0), then each step that has rows of the split shown. A step from a link
+  // that has none keeps a position of its own (the table says it has no rows), as a select keeps an unknown value.
+  function setSteps(steps) {
+    const chosen = stepField.value.trim() === "" ? null : Number(stepField.value);
+    stepList = [...steps];
+    if (chosen !== null && Number.isInteger(chosen) && chosen >= 0 && !stepList.includes(chosen)) {
+      stepList.push(chosen);
+      stepList.sort((a, b) => a - b);
+    }
+    slider.max = String(stepList.length);
+    slider.value = String(chosen === null ? 0 : stepList.indexOf(chosen) + 1);
+    slider.disabled = stepList.length === 0;
+    slider.dataset.steps = stepList.join(",");
+    slider.title = stepList.length ? `${plural(stepList.length, "step")} with rows: ← → move between them` : "no rows yet";
+    showStep();
+  }
+
+  function slide() {
+    const at = Number(slider.value);
+    stepField.value = at > 0 && at <= stepList.length ? String(stepList[at - 1]) : "";
+    showStep();
+  }
 
   // The split's look: the train-only filters disabled (a disabled field is not sent), the samples' export links
   // for this split, the page's state for styles and tests.
@@ -158,7 +187,8 @@
       el("td", { class: "thumbs" }, thumbs(s.images)),
       el("td", { class: "prompt-cell" }, promptNode(s.prompt, s.images)),
       el("td", { class: "completion-cell" }, el("pre", { class: "completion", text: s.completion }), s.truncated ? el("span", { class: "badge", text: "truncated" }) : null,
-        el("small", { class: "muted", text: ` ${s.completion_length} tokens` }), columnsNode(s.columns)),
+        s.completion_length === null || s.completion_length === undefined ? null : el("small", { class: "muted tokens", text: ` ${plural(s.completion_length, "token")}` }),
+        columnsNode(s.columns)),
       rewardNames.map(n => el("td", { class: "num", "data-reward": n, "data-label": n, text: num(s.rewards[n]) })),
       el("td", { class: "num total", "data-label": "reward", text: num(s.reward) }),
       isEval(s) ? el("td", { class: "num advantage", "data-label": "advantage", title: "evaluation rollouts are not trained on: no advantage", text: "–" })
@@ -185,10 +215,12 @@
     if (failed) return;  // the filters are refused: no count under the error
     const of = total === null ? "" : total.capped ? ` of more than ${total.cap.toLocaleString("en")}` : ` of ${total.count.toLocaleString("en")}`;
     // the count can answer before the rows: never claim "0 of 12 rows shown" while they load
+    // the noun agrees with the number next to it: "1 row shown", "1 of 12 rows shown", "1 of 1 row shown"
+    const noun = total === null ? shown : total.capped ? total.cap : total.count;
     count.textContent = rowsPending ? "Loading rows…"
-      : `${shown.toLocaleString("en")}${of} rows shown` + (cursor && total === null ? " (more on the server)" : "");
+      : `${shown.toLocaleString("en")}${of} row${noun === 1 ? "" : "s"} shown` + (cursor && total === null ? " (more on the server)" : "");
     totalBox.textContent = total === null ? "" : total.capped ? `More than ${total.cap.toLocaleString("en")} rows match`
-      : `${total.count.toLocaleString("en")} row${total.count === 1 ? "" : "s"} match`;
+      : `${plural(total.count, "row")} match${total.count === 1 ? "es" : ""}`;
     totalBox.dataset.count = total === null ? "" : String(total.count);
     totalBox.dataset.capped = total === null ? "" : String(total.capped);
   }
@@ -314,14 +346,15 @@
     groupView.dataset.split = first.split;
     groupView.replaceChildren(
       el("div", { class: "group-head" }, back,
-        el("h2", { text: ev ? `evaluated at step ${step} · held-out prompt ${groupIndex} · ${items.length} completion${items.length === 1 ? "" : "s"}, ranked by reward`
-          : `step ${step} · group ${groupIndex} · ${items.length} completions, ranked by reward` }),
+        el("h2", { text: ev ? `evaluated at step ${step} · held-out prompt ${groupIndex} · ${plural(items.length, "completion")}, ranked by reward`
+          : `step ${step} · group ${groupIndex} · ${plural(items.length, "completion")}, ranked by reward` }),
         el("span", { class: "muted", text: (ev ? `mean reward ${num(mean)}` : `mean ${num(first.group_mean)} · std ${num(first.group_std)}`) + (first.dataset_row === null ? "" : ` · dataset row ${first.dataset_row}`) }),
         first.zero_std && !ev ? el("span", { class: "badge", text: "zero variance: no learning signal" }) : null),
       el("div", { class: "group-prompt" },
         el("div", { class: "thumbs" }, thumbs(first.images)), promptNode(first.prompt, first.images), columnsNode(first.columns)),
       el("div", { class: "group-completions" }, items.map((s, rank) => el("article", { class: "group-completion adv-edge-" + advClass(s.advantage), "data-id": s.id },
-        el("header", {}, el("b", { text: `#${rank + 1}` }), el("span", { class: "muted", text: ` completion ${s.index} · ${s.completion_length} tokens` }),
+        el("header", {}, el("b", { text: `#${rank + 1}` }), el("span", { class: "muted", text: ` completion ${s.index}`
+          + (s.completion_length === null || s.completion_length === undefined ? "" : ` · ${plural(s.completion_length, "token")}`) }),
           s.truncated ? el("span", { class: "badge", text: "truncated" }) : null),
         el("pre", { class: "completion", text: s.completion }),
         rewardList(s)))));
@@ -345,7 +378,13 @@
     return Math.floor(newestStep / samplesEvery) - Math.floor(loadedTop / samplesEvery);
   }
 
-  // The newest step with rollout rows of a split (0 when none).
+  // The steps with rollout rows of a split, ascending (the histogram route lists them; one bin keeps it cheap).
+  async function stepsOf(split) {
+    return (await api(`/runs/${runId}/histogram`, { params: { bins: 1, split } })).steps;
+  }
+  const last = steps => steps.length ? steps[steps.length - 1] : 0;  // the newest of them (0: none yet)
+
+  // The newest step with rollout rows of a split (0 when none): the cheap question each event of the stream asks.
   async function topStep(split) {
     const page = await api(`/runs/${runId}/samples`, { params: { sort: "-step", limit: 1, split } });
     return page.items.length ? page.items[0].step : 0;
@@ -359,13 +398,17 @@
       const split = splitField.value;
       const top = await topStep(split);
       if (split !== splitField.value) return;  // the split changed meanwhile: its own check follows
-      if (top > newestStep) newestStep = top;
-      if (Number(slider.max) < newestStep) slider.max = String(newestStep);
+      if (top > newestStep) {  // new steps with rows: the slider gains their positions
+        const steps = await stepsOf(split);
+        if (split !== splitField.value) return;
+        setSteps(steps);
+        newestStep = Math.max(top, last(steps));
+      }
       const n = newSteps();
       if (n > 0) {
         // evaluations come every eval_steps steps: say which step is new rather than count training steps
         newButton.textContent = split === "eval" ? `new evaluation rollouts (step ${newestStep}): show them`
-          : `${n} new step${n === 1 ? "" : "s"} with rollouts: show them`;
+          : `${plural(n, "new step")} with rollouts: show them`;
         newBar.hidden = false;
       }
     } catch (err) {
@@ -395,7 +438,7 @@
 
   // ------------------------------------------------------------------------------------------- wiring
 
-  slider.addEventListener("input", showStep);
+  slider.addEventListener("input", slide);  // before the form's own listener: the step field is set when it loads
   let timer = null;
   form.addEventListener("input", e => {
     if (e.target.tagName === "SELECT") return;  // a select loads on "change", at once
@@ -405,12 +448,19 @@
   form.addEventListener("change", async e => {
     if (e.target.tagName !== "SELECT") return;
     clearTimeout(timer);
-    if (e.target === splitField) {  // another split: its own newest step, and no group view of the other one
+    if (e.target === splitField) {  // another split: its own steps, and no group view of the other one
       if (group) closeGroup();
       newBar.hidden = true;
       const split = splitField.value;
-      try { const top = await topStep(split); if (split === splitField.value) newestStep = top; } catch (err) { /* load() reports it */ }
+      let steps = null;
+      try { steps = await stepsOf(split); } catch (err) { /* load() reports it */ }
       if (split !== splitField.value) return;
+      if (steps) {
+        // a step the other split has and this one has not: every step of this one, rather than an empty table
+        if (stepField.value.trim() !== "" && !steps.includes(Number(stepField.value))) stepField.value = "";
+        setSteps(steps);
+        newestStep = last(steps);
+      }
     }
     load();
   });
@@ -432,8 +482,9 @@
     let run = null;
     try {
       run = await api("/runs/" + runId);
-      newestStep = await topStep(splitField.value);
-      slider.max = String(Math.max(Number(slider.max), run.progress.step, newestStep, Number(slider.value)));
+      const steps = await stepsOf(splitField.value);
+      setSteps(steps);
+      newestStep = last(steps);
     } catch (err) {
       showErrors(err);
     }

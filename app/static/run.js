@@ -33,7 +33,8 @@
     document.getElementById("bar").style.width = (max_steps ? 100 * step / max_steps : 0) + "%";
     document.getElementById("progress-text").textContent = `step ${step} / ${max_steps}`;
     const left = timeLeft(r);
-    document.getElementById("time-left").textContent = left === null ? (r.finished_at ? "ended" : "–") : duration(left) + " left";
+    document.getElementById("time-left").textContent =
+      left === null ? (r.finished_at ? "ended" : "–") : left === "estimating" ? "estimating" : duration(left) + " left";
     document.getElementById("attempt").textContent = r.attempt;
     const error = document.getElementById("error");
     error.hidden = !r.error; error.textContent = r.error || "";
@@ -48,6 +49,7 @@
     // a run the user may not change (another member's): its buttons stay disabled, the page says why (run.html)
     document.getElementById("cancel").disabled = !mayChange || !["queued", "running"].includes(r.status);
     document.getElementById("resume").disabled = !mayChange || !["failed", "cancelled"].includes(r.status);
+    resumeLabel(r);
     document.getElementById("delete").disabled = !mayChange || !ENDED.includes(r.status);
     document.getElementById("edit-meta").disabled = !mayChange;
     renderMeta(r);
@@ -190,13 +192,40 @@
     if (!charts.has(OVERLAY)) addOverlay(points);
   }
 
+  // A resume continues from the newest checkpoint; a run that ended without one (it failed at step 0, or before its
+  // first save) starts again from step 0, so its button says so instead of promising a resume.
+  let resumeAsked = null;
+  async function resumeLabel(r) {
+    const button = document.getElementById("resume");
+    if (!["failed", "cancelled"].includes(r.status)) { button.textContent = "Resume"; button.title = ""; return; }
+    const key = `${r.id}:${r.attempt}`;
+    if (resumeAsked === key) return;
+    resumeAsked = key;
+    let saved = r.progress.step > 0;
+    try { saved = (await api(`/runs/${runId}/checkpoints`)).items.length > 0; }
+    catch { /* no list (an old server): judge by the step */ }
+    button.textContent = saved ? "Resume" : "Run again";
+    button.title = saved ? "continue from the newest checkpoint, as a new attempt"
+      : "the run has no checkpoint: a new attempt starts again from step 0";
+    button.dataset.fromCheckpoint = String(saved);
+  }
+
   // ---- events, stream
 
-  async function loadEvents() {
+  // One load at a time: a status and a progress event arriving together would otherwise both ask for the events
+  // after the same id and show the new ones (a run's terminal event) twice.
+  let eventsLoading = Promise.resolve();
+  function loadEvents() {
+    eventsLoading = eventsLoading.then(loadNewEvents, loadNewEvents);
+    return eventsLoading;
+  }
+
+  async function loadNewEvents() {
     const page = await api(`/runs/${runId}/events`, { params: { after: lastEvent } });
     const list = document.getElementById("events");
     for (const e of page.items) {
-      list.append(el("li", { class: "event level-" + e.level },
+      if (list.querySelector(`li[data-event-id="${e.id}"]`)) continue;
+      list.append(el("li", { class: "event level-" + e.level, "data-event-id": String(e.id) },
         el("time", { text: new Date(e.time).toLocaleTimeString() }), " ",
         el("span", { class: "level", text: e.level }), " ",
         el("pre", { text: e.message })));

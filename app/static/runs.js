@@ -1,8 +1,9 @@
 "use strict";
 // The runs table: filters, auto-refresh that updates rows in place (the scroll position never jumps), a queued
-// run's place in its queue, the latest and best held-out evaluation reward, and selection for comparing.
+// run's place in its queue, the held-out metric it picks its best checkpoint by (latest and best) beside its
+// weighted eval reward, and selection for comparing.
 (() => {
-  const { api, el, num, when, duration, timeLeft, sparkline } = Collage;
+  const { api, el, num, when, duration, leftText, sparkline } = Collage;
   const body = document.getElementById("runs-body");
   const form = document.getElementById("run-filters");
   const compare = document.getElementById("compare");
@@ -20,25 +21,43 @@
     } });
     box.checked = selected.has(run.id);
     const { step, max_steps } = run.progress;
-    const left = timeLeft(run);
     const progress = el("div", { class: "progress" }, el("div", { class: "bar", style: `width:${max_steps ? 100 * step / max_steps : 0}%` }));
     tr.append(
       el("td", {}, box),
-      el("td", {}, el("a", { href: "/runs/" + run.id, text: run.name })),
+      el("td", {}, el("a", { href: "/runs/" + run.id, text: run.name }), el("small", { class: "muted cell-line", text: run.algorithm })),
       el("td", { class: "status-cell" }, el("span", { class: "status", text: run.status }), el("small", { class: "queue-place muted" })),
-      el("td", { text: run.algorithm }),
-      el("td", { text: run.model }),
-      el("td", { text: run.dataset }),
-      el("td", {}, progress, el("small", { text: `${step}/${max_steps}` + (left !== null ? ` · ${duration(left)} left` : "") })),
+      el("td", { class: "clip" }, el("span", { class: "cell-line", title: run.model, text: run.model }),
+        el("small", { class: "muted cell-line", title: run.dataset, text: run.dataset })),
+      el("td", {}, progress, el("small", { text: `${step}/${max_steps}` + leftText(run) })),
       el("td", { class: "reward" }, el("span", { text: num(run.latest_reward) }), el("span", { class: "spark-slot" })),
-      // held-out evaluation: "–" for a run without one (yet)
-      el("td", { class: "num eval-reward", "data-label": "eval reward", text: num(run.eval_reward) }),
-      el("td", { class: "num best-eval", "data-label": "best eval", text: num(run.best_eval_reward) }),
+      evaluation(run),
       el("td", { text: run.tags.join(", ") }),
-      el("td", { text: when(run.created_at) }),
-      el("td", { text: when(run.finished_at) }),
+      el("td", {}, el("span", { class: "cell-line", text: when(run.created_at) }),
+        el("small", { class: "muted cell-line", text: run.finished_at ? when(run.finished_at) : "" })),
     );
     return tr;
+  }
+
+  // Held-out evaluation: the metric the run picks its best checkpoint by (named: accuracy, loss...), latest and
+  // best, and the weighted eval/reward as such below it; "–" for a run without one (yet).
+  function evaluation(run) {
+    const td = el("td", { class: "num evaluation", "data-label": "evaluation" });
+    const metric = run.eval_metric && run.eval_metric !== "eval/reward" ? run.eval_metric : null;
+    const name = metric ? metric.slice("eval/".length) : "reward";
+    const latest = metric ? run.eval_metric_value : run.eval_reward;
+    const best = metric ? run.best_eval_metric : run.best_eval_reward;
+    if (latest === null && best === null && run.eval_reward === null) {
+      td.append(el("span", { class: "eval-latest", text: num(null) }));
+      return td;
+    }
+    td.append(el("span", { class: "cell-line" }, el("span", { class: "eval-name muted", text: name + " " }),
+      el("span", { class: "eval-latest", text: num(latest) })));
+    td.append(el("small", { class: "cell-line muted" }, "best ", el("span", { class: "eval-best", text: num(best) })));
+    if (metric && run.eval_reward !== null) {
+      td.append(el("small", { class: "cell-line muted", title: "eval/reward: the weighted sum of the reward functions on held-out rows" },
+        "reward ", el("span", { class: "eval-reward", text: num(run.eval_reward) })));
+    }
+    return td;
   }
 
   async function spark(run, tr) {

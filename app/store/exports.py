@@ -2,7 +2,8 @@
 
 An export writes a whole model under ``COLLAGE_ARTIFACTS/exports/<job id>/`` (gigabytes for a real model), so a
 token has at most one export in flight (:func:`admit`: the count and the insert are one transaction) and keeps only its newest finished export on disk: when one succeeds, the token's earlier exports are removed
-(:func:`older_exports`, :func:`mark_removed`) and their downloads answer 410 saying why.
+(:func:`older_exports`, :func:`mark_removed`) and their downloads answer 410 saying why. :func:`list_exports`
+reads them back, newest first: a run's, or a token's.
 """
 
 from __future__ import annotations
@@ -60,3 +61,30 @@ def mark_removed(engine: Engine, job_id: str, why: str) -> None:
         job = session.get(Job, job_id)
         if job is not None and isinstance(job.result, dict):
             job.result = {**job.result, "removed": why, "removed_at": utcnow().isoformat()}
+
+
+LIST_DEFAULT = 50  # exports one listing answers unless asked for fewer or more
+LIST_MAX = 200
+
+
+def list_exports(
+    engine: Engine, *, run_id: str | None = None, created_by: int | None = None, limit: int = LIST_DEFAULT
+) -> list[tuple[Job, str | None]]:
+    """Export jobs, newest first (ties by id), at most ``limit``: of the run ``run_id`` and/or made by the token id
+    ``created_by`` (neither: every export). Each with the name of the token that asked for it (None: no token, or
+    one that is gone); tokens are revoked, never deleted, so a revoked token's name stays."""
+    query = (
+        select(Job, col(ApiToken.name))
+        .outerjoin(ApiToken, col(ApiToken.id) == col(Job.created_by))
+        .where(col(Job.kind) == JobKind.EXPORT.value)
+    )
+    if run_id is not None:
+        query = query.where(col(Job.run_id) == run_id)
+    if created_by is not None:
+        query = query.where(col(Job.created_by) == created_by)
+    query = query.order_by(col(Job.created_at).desc(), col(Job.id).desc()).limit(limit)
+    with Session(engine, expire_on_commit=False) as session:
+        rows = session.execute(query).all()
+        for job, _ in rows:
+            session.expunge(job)
+        return [(job, name) for job, name in rows]

@@ -126,13 +126,37 @@ def eval_reward_greater_is_better(config: dict[str, Any] | None) -> bool:
     return not (train.get("metric_for_best_model") == EVAL_REWARD and train.get("greater_is_better") is False)
 
 
-def eval_rewards(session: Session, runs: Sequence[Run]) -> dict[str, tuple[float | None, float | None]]:
-    """``{run_id: (latest, best)}`` of ``eval/reward`` for a page of runs, in one grouped query (the metrics'
-    primary key (run_id, key, step) serves it: a range per run). Runs without the metric are absent; a value
-    logged as NaN is stored as null and counts for neither."""
-    if not runs:
+def best_model_metric(config: dict[str, Any] | None) -> tuple[str, bool] | None:
+    """The held-out metric a run picks its best checkpoint by (``train.metric_for_best_model`` when it is an
+    ``eval/`` key) and whether higher is better (``train.greater_is_better``; unset: yes unless the name ends in
+    ``loss``, as the trainer decides); None for a run that ranks by no evaluation metric."""
+    train = (config or {}).get("train") or {}
+    key = train.get("metric_for_best_model")
+    if not isinstance(key, str) or not key.startswith("eval/"):
+        return None
+    greater = train.get("greater_is_better")
+    return key, (not key.endswith("loss")) if greater is None else bool(greater)
+
+
+def best_model_metrics(session: Session, runs: Sequence[Run]) -> dict[str, tuple[str, float | None, float | None]]:
+    """``{run_id: (key, latest, best)}`` of each run's best-model metric (:func:`best_model_metric`) for a page of
+    runs: one grouped query per distinct key. Runs without such a metric are absent; so are runs that have not
+    logged it yet."""
+    ranked = {r.id: metric for r in runs if (metric := best_model_metric(r.config)) is not None}
+    out: dict[str, tuple[str, float | None, float | None]] = {}
+    for key in {metric[0] for metric in ranked.values()}:
+        ids = [run_id for run_id, metric in ranked.items() if metric[0] == key]
+        for run_id, (latest, high, low) in _latest_and_range(session, ids, key).items():
+            out[run_id] = (key, latest, high if ranked[run_id][1] else low)
+    return out
+
+
+def _latest_and_range(session: Session, ids: Sequence[str], key: str) -> dict[str, tuple[float | None, ...]]:
+    """``{run_id: (latest, highest, lowest)}`` of metric ``key`` for the runs ``ids``, in one grouped query (the
+    metrics' primary key (run_id, key, step) serves it: a range per run). A value logged as NaN is stored as null
+    and counts for neither bound."""
+    if not ids:
         return {}
-    ids = [r.id for r in runs]
     summary = (
         select(
             col(Metric.run_id),
@@ -140,22 +164,25 @@ def eval_rewards(session: Session, runs: Sequence[Run]) -> dict[str, tuple[float
             func.max(col(Metric.value)).label("high"),
             func.min(col(Metric.value)).label("low"),
         )
-        .where(col(Metric.run_id).in_(ids), col(Metric.key) == EVAL_REWARD)
+        .where(col(Metric.run_id).in_(list(ids)), col(Metric.key) == key)
         .group_by(col(Metric.run_id))
         .subquery()
     )
     rows = session.execute(
         select(summary.c.run_id, col(Metric.value), summary.c.high, summary.c.low).join(
             Metric,
-            and_(
-                col(Metric.run_id) == summary.c.run_id,
-                col(Metric.key) == EVAL_REWARD,
-                col(Metric.step) == summary.c.step,
-            ),
+            and_(col(Metric.run_id) == summary.c.run_id, col(Metric.key) == key, col(Metric.step) == summary.c.step),
         )
     )
+    return {run_id: (latest, high, low) for run_id, latest, high, low in rows}
+
+
+def eval_rewards(session: Session, runs: Sequence[Run]) -> dict[str, tuple[float | None, float | None]]:
+    """``{run_id: (latest, best)}`` of ``eval/reward`` (the weighted sum of the reward functions on held-out rows)
+    for a page of runs, in one grouped query. Runs without the metric are absent."""
     greater = {r.id: eval_reward_greater_is_better(r.config) for r in runs}
-    return {run_id: (latest, high if greater[run_id] else low) for run_id, latest, high, low in rows}
+    found = _latest_and_range(session, [r.id for r in runs], EVAL_REWARD)
+    return {run_id: (latest, high if greater[run_id] else low) for run_id, (latest, high, low) in found.items()}
 
 
 def list_runs(

@@ -23,7 +23,7 @@ def live_workers(engine: Engine, within: float) -> list[dict[str, Any]]:
         return [
             {"name": w.name, "hostname": w.hostname, "pid": w.pid, "queues": w.queues, "gpu_slots": w.gpus,
              "current_run": w.current_run_id, "last_seen": w.last_seen.isoformat(),
-             "started_at": w.started_at.isoformat(), "gpu_info": w.gpu_info}
+             "started_at": w.started_at.isoformat(), "gpu_info": w.gpu_info, "disk": w.disk_info}
             for w in rows
         ]  # fmt: skip
 

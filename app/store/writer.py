@@ -120,6 +120,17 @@ def prompt_text(prompt: Any) -> str:
     return " ".join(parts)
 
 
+NUL_METRIC = "store/nul_replaced"  # NUL characters of a step's rollout text stored as U+FFFD
+
+
+def _first_nul_count(session: Session, run_id: str) -> bool:
+    """Whether no step of the run has had NUL characters replaced yet (its first such step warns, once)."""
+    found = session.execute(
+        select(col(Metric.step)).where(col(Metric.run_id) == run_id, col(Metric.key) == NUL_METRIC).limit(1)
+    ).first()
+    return found is None
+
+
 def _sample_row(run_id: str, step: int, row: Any, shas: list[str]) -> tuple[dict[str, Any], int]:
     """The ``samples`` row of one rollout row, its text cleaned, and how many NUL characters the cleaning replaced."""
     reward = _clean(row.reward)
@@ -238,6 +249,11 @@ class StoreWriter:
     def _unguarded(self) -> StoreWriter:
         return StoreWriter(self.engine, self.artifacts, self.retry_for, self.mirror)
 
+    def read(self, work: Callable[[Session], T]) -> T:
+        """``work(session)``, a read retried like a write: a connection that is refused or drops is tried again for
+        ``retry_for`` seconds (the training process's reads at its start, which nothing else would retry)."""
+        return self._unguarded()._write(work)
+
     # ----------------------------------------------------------------- runs
     def create_run(
         self,
@@ -314,10 +330,13 @@ class StoreWriter:
 
         return self._unguarded()._write(write)
 
-    def set_progress(self, run_id: str, step: int) -> None:
-        """The training process reached ``step`` (a beat of its heartbeat too)."""
+    def set_progress(self, run_id: str, step: int, seconds_per_step: float | None = None) -> None:
+        """The training process reached ``step`` (a beat of its heartbeat too), its recent steps taking
+        ``seconds_per_step`` each (None: not measured, the last value stays)."""
         now = utcnow()
-        self._write(lambda session: None, run_id, step=step, updated_at=now, heartbeat_at=now)
+        timing = {} if seconds_per_step is None or not math.isfinite(seconds_per_step) else {
+            "seconds_per_step": seconds_per_step}  # fmt: skip
+        self._write(lambda session: None, run_id, step=step, updated_at=now, heartbeat_at=now, **timing)
 
     def begin_attempt(self, run_id: str, resumed_from_step: int, max_steps: int) -> None:
         """A training process starts (or resumes) the run at ``resumed_from_step``: whatever an earlier attempt
@@ -332,7 +351,8 @@ class StoreWriter:
                 delete(Checkpoint).where(col(Checkpoint.run_id) == run_id, col(Checkpoint.step) > resumed_from_step)
             )
 
-        self._write(write, run_id, step=resumed_from_step, max_steps=max_steps)
+        # an earlier attempt's step time says nothing of this one's (another host, a cold cache): estimating again
+        self._write(write, run_id, step=resumed_from_step, max_steps=max_steps, seconds_per_step=None)
 
     def run_state(self, run_id: str) -> tuple[str, int] | None:
         """The run's (status, attempt) now; ``None``: the run was deleted. Retried like a write."""
@@ -443,7 +463,6 @@ class StoreWriter:
             sample, n = _sample_row(run_id, step, row, shas)
             sample_rows.append(sample)
             nuls += n
-        note = f"step {step}: {nul_note(nuls, 'rollout text')}" if nuls else None
         splits = sorted({row["split"] for row in sample_rows})
 
         def write(session: Session) -> None:
@@ -459,10 +478,17 @@ class StoreWriter:
             )
             if sample_rows:
                 _insert_samples(session, sample_rows, per_row)
-            if note is not None:
+            if nuls and _first_nul_count(
+                session, run_id
+            ):  # once per run: later steps' counts are the metric, not more warnings
+                note = (f"step {step}: {nul_note(nuls, 'rollout text')}; each step's count is the metric "
+                        f"{NUL_METRIC}, without another warning")  # fmt: skip
                 session.add(Event(run_id=run_id, level="warning", message=note))
+                session.execute(update(Run).where(col(Run.id) == run_id).values(warning_count=Run.warning_count + 1))
 
-        self._write(write, run_id, **({"warning_count": Run.warning_count + 1} if note is not None else {}))
+        self._write(write, run_id)
+        if nuls:
+            self.append_metrics(run_id, step, {NUL_METRIC: float(nuls)})
         return len(sample_rows)
 
     def _store_images(self, rows: list[Any]) -> tuple[list[dict[str, Any]], list[list[str]]]:

@@ -1,7 +1,8 @@
 """The run page's Checkpoints panel in Chromium against a real `collage serve` (embedded broker and worker): a LoRA
 run's checkpoints appear while it trains, the best one carries a badge, Download saves the checkpoint's model folder
-as a tar, Export runs on the worker with its progress and ends in a download link, and a refused export (one at a
-time per token) is shown in the panel."""
+as a tar, Export runs on the worker with its progress and ends in a download link, a refused export (one at a
+time per token) is shown in the panel, and the finished export is still listed, with its download, after a
+reload."""
 
 from __future__ import annotations
 
@@ -94,5 +95,16 @@ def test_the_checkpoints_panel_lists_downloads_and_exports(server, page, tmp_pat
     with tarfile.open(fileobj=io.BytesIO(exported.content)) as archive:
         names = {Path(n).name for n in archive.getnames()}
     assert {"config.json", "model.safetensors", "generation_config.json"} <= names
+
+    # the export is the server's, not the tab's: after a reload the run's exports list it, with its download
+    export_id = href.removeprefix(f"{API}/exports/").removesuffix("/download")
+    (listed,) = [e for e in client.get(f"/runs/{run_id}/exports").json()["items"] if e["id"] == export_id]
+    page.reload()
+    row = f"#exports-table tr[data-export='{export_id}']"
+    wait_for(lambda: page.is_visible(row), "the export listed after a reload", timeout=180)
+    assert page.inner_text(f"{row} td:nth-child(1)") == "2"
+    assert page.inner_text(f"{row} .weights") == "LoRA merged"
+    assert page.inner_text(f"{row} .who") == listed["created_by"]
+    assert page.get_attribute(f"{row} a.download-export", "href") == href
     # the browser logs the refused requests themselves (the 410 and 429 the panel showed); nothing else went wrong
     assert [e for e in page.errors if not ("status of 429" in e or "status of 410" in e)] == [], page.errors

@@ -144,6 +144,12 @@ def evaluated(server):
             writer.append_metrics(run, step, _evaluation(step, value, {"1": value, "2": value / 2}))
         writer.transition(run, ["queued"], "succeeded")
         ids[name] = run
+    # a run that picks its best checkpoint by accuracy: the runs table names it, beside the weighted reward
+    ranked = writer.create_run(_eval_config("ranked", metric_for_best_model="eval/rewards/accuracy/mean")).id
+    for step, value in {3: 0.8, 6: 0.9}.items():
+        writer.append_metrics(ranked, step, _evaluation(step, value, {"1": value}))
+    writer.transition(ranked, ["queued"], "succeeded")
+    ids["ranked"] = ranked
     engine.dispose()
     return ids
 
@@ -182,15 +188,32 @@ def test_compare_overlays_each_runs_eval_curves(browser, server, evaluated):
 def test_the_runs_table_shows_the_latest_and_best_eval_reward(browser, server, evaluated):
     context, page = login(browser, server)
     try:
+        page.set_viewport_size({"width": 1400, "height": 900})
         page.goto(f"{server['base']}/runs")
         heads = page.locator("table.runs thead th").all_inner_texts()
-        assert heads[heads.index("Reward") + 1 : heads.index("Reward") + 3] == ["Eval reward", "Best eval"]
-        for name, latest, best in (("evaluated-a", "0.600", "0.700"), ("evaluated-b", "0.500", "0.500"),
-                                   ("not-evaluated", "–", "–")):  # fmt: skip
+        assert heads[heads.index("Reward") + 1] == "Evaluation"
+        for name, latest, best in (("evaluated-a", "0.600", "0.700"), ("evaluated-b", "0.500", "0.500")):
             row = f'#runs-body tr[data-run="{evaluated[name]}"]'
             page.wait_for_selector(row)
-            assert page.inner_text(f"{row} td.eval-reward") == latest, name
-            assert page.inner_text(f"{row} td.best-eval") == best, name
+            # these runs rank by nothing: the weighted eval/reward is what the column shows, named
+            assert page.inner_text(f"{row} td.evaluation .eval-name").strip() == "reward", name
+            assert page.inner_text(f"{row} td.evaluation .eval-latest") == latest, name
+            assert page.inner_text(f"{row} td.evaluation .eval-best") == best, name
+        ranked = f'#runs-body tr[data-run="{evaluated["ranked"]}"] td.evaluation'
+        page.wait_for_selector(ranked)
+        assert page.inner_text(f"{ranked} .eval-name").strip() == "rewards/accuracy/mean"
+        assert [page.inner_text(f"{ranked} .eval-{part}") for part in ("latest", "best", "reward")] == [
+            "0.450",
+            "0.450",
+            "0.900",
+        ]
+        page.wait_for_selector(f'#runs-body tr[data-run="{evaluated["not-evaluated"]}"]')
+        assert page.inner_text(f'#runs-body tr[data-run="{evaluated["not-evaluated"]}"] td.evaluation') == "–"
+        # the whole table fits a 1,400 px screen: no column (Created, Finished) is off to the right
+        width = page.evaluate(
+            "[document.getElementById('runs-scroll').scrollWidth, document.getElementById('runs-scroll').clientWidth]"
+        )
+        assert width[0] <= width[1], width
         shoot(page, "runs-eval", full_page=False)
         assert not page.errors, page.errors
     finally:
@@ -320,6 +343,7 @@ def test_the_launch_form_shows_and_sends_a_loss_types_keys_only_with_it(browser,
     try:
         page.goto(f"{server['base']}/launch")
         page.wait_for_selector(".reward")
+        page.click("#expand-all")  # the loss options are in a collapsed group until then
         sapo, delta = '[data-path="train.sapo_temperature_pos"]', '[data-path="train.delta"]'
         assert page.is_hidden(sapo) and page.is_visible(delta)  # dapo: clipped, not sapo
         page.select_option('[name="train.loss_type"]', "sapo")
@@ -343,6 +367,7 @@ def test_the_launch_form_sets_evaluation_and_checkpoint_retention(browser, serve
         page.goto(f"{server['base']}/launch")
         page.wait_for_selector(".reward")
         card = page.locator("#eval-card")
+        page.click("#expand-all")  # evaluation and the held-out data are in collapsed groups until then
         for key in ("eval_strategy", "eval_steps", "greater_is_better", "save_total_limit", "eval_temperature"):
             assert card.locator(f'[name="train.{key}"]').count() == 1, key
         # the untouched form still builds a valid config (evaluation off)

@@ -184,6 +184,10 @@ def test_a_member_is_told_what_it_may_not_do_before_trying(browser, server, memb
     page.goto(f"{server['base']}/runs/{mine}")
     page.wait_for_selector("#status.status-cancelled")
     assert page.locator("#refusal").count() == 0 and page.is_enabled("#delete") and page.is_enabled("#edit-meta")
+    # Resume continues from a checkpoint; a run without one starts again from step 0, and its button says so
+    saved = bool(server["client"].get(f"/runs/{mine}/checkpoints").json()["items"])
+    wait_js(page, "!!document.getElementById('resume').dataset.fromCheckpoint", what="the resume button's label")
+    assert page.inner_text("#resume") == ("Resume" if saved else "Run again"), saved
     assert not page.errors, page.errors
     context.close()
 
@@ -259,3 +263,27 @@ def test_a_queued_run_says_live_whether_a_worker_takes_its_queue(browser, server
             client.post(f"/runs/{run_id}/cancel")
         for run_id in (orphan, waiting):
             wait_done(client, run_id)
+
+
+def test_a_run_that_failed_before_any_checkpoint_offers_to_run_again_not_resume(browser, server):
+    """A resume continues from the newest checkpoint: a run that failed at step 0 has none, so the page offers to
+    run it again from step 0 instead of promising a resume it cannot make."""
+    from collage.training.config import parse_config
+    from tests.support.serve import store_writer
+
+    engine, writer = store_writer(server)
+    try:
+        early = writer.create_run(parse_config(small_config("failed-early")).model_dump(mode="json")).id
+        assert writer.transition(early, ["queued"], "failed", error="CUDA out of memory")
+    finally:
+        engine.dispose()
+    context, page = login(browser, server)
+    try:
+        page.goto(f"{server['base']}/runs/{early}")
+        page.wait_for_selector("#status.status-failed")
+        wait_js(page, "!!document.getElementById('resume').dataset.fromCheckpoint", what="the resume button's label")
+        assert page.inner_text("#resume") == "Run again" and "step 0" in page.get_attribute("#resume", "title")
+        assert page.is_enabled("#resume")
+        assert not page.errors, page.errors
+    finally:
+        context.close()

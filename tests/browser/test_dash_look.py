@@ -234,6 +234,10 @@ def test_api_docs_load_with_every_outside_request_blocked(browser, server):
     page.emulate_media(color_scheme="dark")
     wait_js(page, "document.documentElement.classList.contains('dark-mode')")
     assert luminance(page, ".swagger-ui .info .title", "color") > 0.6
+    assert luminance(page, ".api-docs-back a", "color") > 0.3  # the way back stays readable in the dark
+    page.click("text=Back to Collage")  # the page has a way back to the app (its login page, for this context)
+    page.wait_for_url(lambda url: url.startswith(server["base"]) and f"{API}/docs" not in url)
+    assert page.locator("header.top").count() == 1  # one of the app's own pages
     context.close()
 
 

@@ -94,8 +94,10 @@ def _generation_id(page) -> str:
 def _finished(page, server, timeout: float = 600) -> dict:
     job_id = _generation_id(page)
     status = page.locator("#pg-status")
-    wait_for(lambda: status.get_attribute("data-status"), f"generation {job_id} to end", timeout=timeout,
-             until=lambda state: state in ("succeeded", "failed", "cancelled"))  # fmt: skip
+    # the status box of this generation (the previous one's stays shown until the page has the new one's)
+    wait_for(lambda: (status.get_attribute("data-job"), status.get_attribute("data-status")),
+             f"generation {job_id} to end", timeout=timeout,
+             until=lambda shown: shown[0] == job_id and shown[1] in ("succeeded", "failed", "cancelled"))  # fmt: skip
     return server["client"].get(f"/generate/{job_id}").json()
 
 
@@ -218,7 +220,7 @@ def test_a_generation_waits_behind_training_and_a_training_stops_the_playground_
     # a training starting on this worker gets the memory: the playground process is stopped at once
     short = client.post("/runs", json=small_config("after", max_steps=1)).json()["id"]
     wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the playground process to stop", timeout=300)
-    log = (server["home"] / "serve.log").read_text()
+    log = server["serve"].log.read_text()
     assert f"collage playground {pid}: the worker closed its pipe: exiting" in log  # stopped, not idle
     assert f"collage playground {pid}: no request for" not in log
     assert wait_done(client, short, timeout=600)["status"] == "succeeded"

@@ -69,7 +69,7 @@ def test_live_rows_arrive_during_a_running_run_and_carry_dataset_columns(page, s
     page.wait_for_selector("#new-steps-bar:not([hidden])", timeout=page_ms(180))  # rows arrived: announced, not pushed
     assert page.locator("tr.sample").count() == 0
     assert "new step" in page.inner_text("#new-steps")
-    assert int(page.get_attribute('[name="step"]', "max")) >= 1  # the slider reaches the new steps
+    wait_js(page, "Number(document.getElementById('step-slider').max) >= 1")  # the slider reaches the new steps
     shoot(page, "rollouts-live-notice", full_page=False)
     page.click("#new-steps")
     wait_js(page, "document.querySelectorAll('tr.sample').length > 0")
@@ -156,6 +156,7 @@ def test_gallery_keys_and_the_group_view(page, server, seeded):
     page.goto(f"{server['base']}/runs/{seeded}/rollouts?min_images=3&step=2")
     _wait_rows(page, 4)
     assert page.input_value('[name="step"]') == "2" and page.inner_text("#step-out") == "2"
+    wait_js(page, "document.getElementById('step-slider').value === '2'")  # steps 1 and 2 have rows: the second
     # dataset columns beside the completion
     assert page.locator("tr.sample").first.locator('.column[data-column="answer"]').inner_text() == "answer: 1"
     page.locator("tr.sample").first.locator("img.thumb").nth(1).click()

@@ -29,7 +29,7 @@ def test_login_page_and_login_link(browser, server):
     page.goto(server["base"] + "/runs")
     page.wait_for_url(lambda url: "/login" in url and "next=" in url)
     # the one-time link `collage serve` printed: a page with one button, spent by the click
-    link = re.search(r"login link: (\S+)", (server["home"] / "serve.log").read_text()).group(1)
+    link = re.search(r"login link: (\S+)", server["serve"].log.read_text()).group(1)
     page.goto(link)
     page.screenshot(path=str(SHOTS / "login-link.png"))
     page.click("text=Log in to Collage")
@@ -53,6 +53,7 @@ def test_launch_from_the_form_watch_it_succeed_and_inspect_rollouts(page, server
     for name, value in SMALL.items():
         page.fill(f'[name="{name}"]', value)
     page.select_option('[name="model.dtype"]', "float32")
+    page.click("#expand-all")  # the advanced groups (the loss options among them) are collapsed until then
     assert page.is_visible('[data-path="train.loss_type"]') and not page.is_visible(
         '[data-path="train.normalize_advantages"]'
     )
@@ -83,6 +84,9 @@ def test_launch_from_the_form_watch_it_succeed_and_inspect_rollouts(page, server
     ):
         assert page.locator(f'.chart[data-metric="{metric}"] canvas').count() == 1, metric
     page.wait_for_selector("#events >> text=succeeded at step 4")  # the event list refreshes after the status
+    # each event once, although the status and progress events that end a run both ask for the new ones
+    shown = page.eval_on_selector_all("#events li", "items => items.map(i => i.dataset.eventId)")
+    assert len(shown) == len(set(shown)) and page.locator("#events li", has_text="succeeded at step 4").count() == 1
     page.screenshot(path=str(SHOTS / "run.png"), full_page=True)
     assert len(server["client"].get("/runs").json()["items"]) == before + 1
 

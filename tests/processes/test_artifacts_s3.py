@@ -291,3 +291,118 @@ def test_an_upload_the_bucket_cannot_take_is_503_and_not_kept(s3):
     assert client.get(API + "/uploads").json()["used_bytes"] == 0
     app.state.settings = web  # the bucket is back: the same upload is taken
     assert _upload(client, _noise(9)).status_code == 201
+
+
+def _damage(path: Path) -> None:
+    """The same size, other bytes: only the SHA-256 tells it from the manifest's."""
+    data = path.read_bytes()
+    path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+
+
+@pytest.fixture
+def resumed(s3, database_url, tmp_path, monkeypatch):
+    """``(client, web, run, make_attempt)``: a run whose attempt 1 published checkpoints 3, 6 and 9 to the bucket from
+    the worker host, now resumed as attempt 2 on a host of its own (its own home and cache of the bucket)."""
+    from collage.app.settings import get_settings
+    from collage.worker.child import Attempt
+
+    client, web, worker, _ = s3
+    run, _ = _run_with_images(client, worker)
+    for step in (3, 6, 9):
+        _checkpoint_on_worker(worker, web, run, step, tmp_path)
+    assert worker.transition(run, ["running"], "failed")
+    assert worker.transition(run, ["failed"], "queued", attempt=2)
+    assert worker.transition(run, ["queued"], "running")
+    monkeypatch.setenv("COLLAGE_HOME", str(tmp_path / "resuming-host"))
+    monkeypatch.setenv("COLLAGE_DATABASE_URL", database_url)
+    get_settings.cache_clear()
+    yield client, web, run, lambda: Attempt(run, 2)
+    get_settings.cache_clear()
+
+
+def _warnings(client, run: str) -> list[str]:
+    return [e["message"] for e in client.get(f"{API}/runs/{run}/events").json()["items"] if e["level"] == "warning"]
+
+
+def _linked(attempt) -> dict[str, Path]:
+    folder = attempt.out / "checkpoints"
+    return {p.name: p.resolve() for p in folder.iterdir()} if folder.is_dir() else {}
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["not cached", "a damaged cached copy too"])
+@pytest.mark.parametrize("keep_limit", [False, True], ids=["no limit", "save_total_limit"])
+def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_newest_intact_one(resumed, cached, keep_limit):
+    """Steps 3, 6 and 9 were published, then step 9's weights in the bucket stopped matching the manifest: the
+    resumed attempt continues from step 6, and the run's events say which checkpoint was skipped and why."""
+    from collage.training.objectstore import ensure_local_folder
+
+    client, web, run, make_attempt = resumed
+    rel = f"runs/{run}/attempt-1/checkpoints/step-{{}}"
+    bucket = web.mirror()
+    attempt = make_attempt()
+    if cached:  # this host fetched it earlier, and its copy was damaged since
+        assert ensure_local_folder(attempt.settings.artifacts, attempt.settings.artifacts / rel.format(9), bucket)
+        _damage(attempt.settings.artifacts / rel.format(9) / "model/model.safetensors")
+    weights = bytes(range(256)) * 400
+    bucket.put_bytes(f"{rel.format(9)}/model/model.safetensors", bytes([weights[0] ^ 0xFF]) + weights[1:])
+    newest = attempt.link_earlier_checkpoints(keep_limit=keep_limit)
+    assert newest == attempt.settings.artifacts / rel.format(6)
+    assert (newest / "model/model.safetensors").read_bytes() == weights
+    expected = {"step-6"} | ({"step-3"} if keep_limit else set())
+    assert set(_linked(attempt)) == expected  # the trainer resumes from the newest linked one
+    warnings = _warnings(client, run)
+    assert len(warnings) == 1, warnings
+    assert f"checkpoint step 9 ({rel.format(9)}) was skipped" in warnings[0]
+    assert "model/model.safetensors does not match its manifest" in warnings[0]
+    assert "resuming from step 6" in warnings[0]
+
+
+def test_a_worker_s_damaged_cached_copy_of_an_intact_checkpoint_is_fetched_again_and_used(resumed):
+    from collage.training.objectstore import ensure_local_folder
+
+    client, web, run, make_attempt = resumed
+    attempt = make_attempt()
+    cached = attempt.settings.artifacts / f"runs/{run}/attempt-1/checkpoints/step-9"
+    assert ensure_local_folder(attempt.settings.artifacts, cached, web.mirror())
+    _damage(cached / "model/model.safetensors")
+    (cached / "trainer_state.pt").unlink()
+    assert attempt.link_earlier_checkpoints() == cached
+    assert (cached / "model/model.safetensors").read_bytes() == bytes(range(256)) * 400
+    assert (cached / "trainer_state.pt").read_bytes() == b"state"
+    assert set(_linked(attempt)) == {"step-9"} and _warnings(client, run) == []
+
+
+def test_a_resume_with_every_checkpoint_damaged_fails_the_run_naming_each(resumed):
+    from collage.worker.child import EXIT_FAILED, begin
+
+    client, web, run, make_attempt = resumed
+    for step in (3, 6, 9):
+        web.mirror().put_bytes(f"runs/{run}/attempt-1/checkpoints/step-{step}/trainer_state.pt", b"other")
+    assert begin(make_attempt()) == EXIT_FAILED
+    body = client.get(f"{API}/runs/{run}").json()
+    assert body["status"] == "failed"
+    assert "no recorded checkpoint can be resumed from" in body["error"]
+    assert all(f"step {step}: " in body["error"] for step in (3, 6, 9)), body["error"]
+
+
+@pytest.mark.parametrize("bucket_copy", ["intact", "damaged"])
+def test_a_web_node_s_damaged_cached_checkpoint_is_fetched_again_or_502(s3, tmp_path, bucket_copy):
+    """A web node that served a checkpoint keeps it in its cache: a copy damaged since is checked against the
+    manifest at the next download, and fetched again (or, with the bucket's copy damaged too, a 502 naming it)."""
+    client, web, worker, _ = s3
+    run, _ = _run_with_images(client, worker)
+    files = _checkpoint_on_worker(worker, web, run, 1, tmp_path)
+    assert client.get(f"{API}/runs/{run}/checkpoints/1/download").status_code == 200  # now in the web's cache
+    rel = f"runs/{run}/attempt-1/checkpoints/step-1"
+    _damage(web.artifacts / rel / "model/model.safetensors")
+    if bucket_copy == "damaged":
+        web.mirror().put_bytes(f"{rel}/model/model.safetensors", b"other bytes")
+    response = client.get(f"{API}/runs/{run}/checkpoints/1/download")
+    if bucket_copy == "damaged":
+        assert response.status_code == 502, response.text
+        assert "model/model.safetensors does not match its manifest" in response.json()["detail"]
+        return
+    assert response.status_code == 200, response.text
+    with tarfile.open(fileobj=io.BytesIO(response.content), mode="r:") as archive:
+        got = archive.extractfile(f"{run}-step-1/model.safetensors").read()
+    assert got == files["model/model.safetensors"]

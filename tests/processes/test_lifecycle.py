@@ -163,4 +163,84 @@ def test_a_child_frozen_inside_a_store_write_is_killed_so_its_end_can_be_written
     with Session(writer.engine) as session:
         run = session.get(Run, run_id)
         assert run.status == "failed" and run.notes is None  # the frozen write never landed
-        assert "no heartbeat" in run.error or "stopped beating" in run.error, run.error
+        assert "no heartbeat" in run.error or "stopped beating" in run.error or "was stopped" in run.error, run.error
+
+
+def _watched(writer, monkeypatch, tmp_path, script: str, heartbeat_timeout: float, **options):
+    """Like :func:`_supervised`, with the supervisor's own checks on (its heartbeat timeout, ``options``) and a
+    liveness bound: a supervisor that never gives up on its child fails the test instead of hanging it."""
+    import signal
+    import sys
+    import threading
+
+    from collage.worker import supervisor
+    from collage.worker.reaper import Reaper
+
+    run_id = _run(writer)
+    pid_file = tmp_path / "child.pid"
+    script = f"import os, pathlib; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n{script}"
+    monkeypatch.setattr(
+        supervisor, "child_command", lambda run, slot: ([sys.executable, "-c", script], dict(os.environ), None)
+    )
+    reaper = Reaper(writer.engine, heartbeat_timeout, every=0.25)
+    reaper.start()
+    result: list = []
+    watcher = threading.Thread(
+        target=lambda: result.append(
+            supervisor.supervise(
+                writer,
+                run_id,
+                "w1",
+                supervisor.Slot(gpus=[]),
+                heartbeat_every=0.5,
+                poll=0.1,
+                heartbeat_timeout=heartbeat_timeout,
+                **options,
+            )  # fmt: skip
+        ),
+        daemon=True,
+    )
+    try:
+        watcher.start()
+        watcher.join(timeout=scaled(60))  # a liveness bound, not a wait for an event
+    finally:
+        reaper.stop()
+        if watcher.is_alive() and pid_file.exists():  # the child the supervisor still watches must not outlive us
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    assert not watcher.is_alive(), "the supervisor never gave up on a training process that makes no progress"
+    with Session(writer.engine) as session:
+        return result[0], session.get(Run, run_id)
+
+
+def test_a_child_stopped_before_it_is_ready_is_killed_and_its_run_fails_saying_so(writer, monkeypatch, tmp_path):
+    """SIGSTOP before the ready file: the supervisor beats for a starting child, so neither its heartbeat check nor
+    the reaper ever saw it; on main the run stayed running at step 0 for 3.75 heartbeat timeouts and on."""
+    script = "import os, signal, time; os.kill(os.getpid(), signal.SIGSTOP); time.sleep(600)"
+    final, run = _watched(writer, monkeypatch, tmp_path, script, scaled(1.5))
+    assert final == "failed" and run.status == "failed"
+    assert "was stopped" in run.error and "before it was ready" in run.error, run.error
+
+
+def test_a_child_stopped_after_it_is_ready_is_reported_stopped_not_its_worker_lost(writer, monkeypatch, tmp_path):
+    """The worker lives and watches its stopped child: the supervisor's verdict (stopped) comes before the reaper's
+    (no heartbeat: worker lost), which on main fired first."""
+    script = (
+        "import os, pathlib, signal, time; pathlib.Path(os.environ['COLLAGE_CHILD_READY_FILE']).touch(); "
+        "os.kill(os.getpid(), signal.SIGSTOP); time.sleep(600)"
+    )
+    final, run = _watched(writer, monkeypatch, tmp_path, script, scaled(4))
+    assert final == "failed"
+    assert "was stopped" in run.error and "after it was ready" in run.error, run.error
+    assert "lost" not in run.error and "no heartbeat" not in run.error, run.error
+
+
+def test_a_child_that_never_gets_ready_is_killed_at_its_start_deadline(writer, monkeypatch, tmp_path):
+    """A start that hangs (an import, a checkpoint download) is bounded by COLLAGE_CHILD_START_TIMEOUT."""
+    final, run = _watched(
+        writer, monkeypatch, tmp_path, "import time; time.sleep(600)", scaled(1.5), start_timeout=scaled(3)
+    )
+    assert final == "failed"
+    assert "COLLAGE_CHILD_START_TIMEOUT" in run.error and "did not finish starting" in run.error, run.error

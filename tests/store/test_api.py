@@ -30,6 +30,7 @@ def test_every_route_but_health_needs_a_token(api):
         ("PATCH", "/runs/x"), ("GET", "/runs/x/histogram"), ("GET", "/workers"), ("GET", "/runs/x/samples/count"),
         ("GET", "/runs/x/checkpoints"), ("GET", "/runs/x/checkpoints/{step}/download"), ("POST", "/runs/x/exports"),
         ("GET", "/exports/{job_id}"), ("GET", "/exports/{job_id}/download"), ("POST", "/exports/{job_id}/cancel"),
+        ("GET", "/runs/x/exports"), ("GET", "/exports"),  # listings of exports (defect 7)
     ]  # fmt: skip
     routes += [("POST", "/images"), ("GET", "/uploads"), ("POST", "/generate"), ("GET", "/generate/{job_id}"),
                ("POST", "/generate/{job_id}/cancel")]  # the playground (issue 18)  # fmt: skip

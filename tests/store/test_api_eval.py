@@ -270,3 +270,30 @@ def test_runs_carry_their_latest_and_best_eval_reward(api):
 
         runs = [session.get(Run, r) for r in expected]
         assert queries.eval_rewards(session, runs) == {r: v for r, v in expected.items() if r != plain}
+
+
+def test_runs_carry_the_metric_they_pick_their_best_checkpoint_by(api):
+    """The runs table shows the metric a run ranks its checkpoints by (accuracy 0.547), named, beside the
+    weighted eval/reward (0.903): they are different numbers, and only the first is what `best` means."""
+    client, _, _, app = api
+    accuracy = client.post(f"{API}/runs", json=_eval_config("acc", metric_for_best_model="eval/accuracy")).json()["id"]
+    for step, (acc, reward) in {2: (0.4, 0.9), 4: (0.6, 0.8), 6: (0.547, 0.903)}.items():
+        app.state.writer.append_metrics(accuracy, step, {"eval/accuracy": acc, "eval/reward": reward, "reward": 0.1})
+    # a loss is minimised unless the config says otherwise; a run named before its first evaluation shows the name
+    loss = client.post(f"{API}/runs", json=_eval_config("loss", metric_for_best_model="eval/loss")).json()["id"]
+    _metrics(app, loss, {2: 0.9, 4: 0.3, 6: 0.5}, key="eval/loss")
+    waiting = client.post(f"{API}/runs", json=_eval_config("soon", metric_for_best_model="eval/accuracy")).json()["id"]
+    plain = client.post(f"{API}/runs", json=_eval_config("plain")).json()["id"]  # ranks by nothing
+    expected = {
+        accuracy: ("eval/accuracy", 0.547, 0.6),
+        loss: ("eval/loss", 0.5, 0.3),
+        waiting: ("eval/accuracy", None, None),
+        plain: (None, None, None),
+    }
+    fields = ("eval_metric", "eval_metric_value", "best_eval_metric")
+    listed = {r["id"]: tuple(r[f] for f in fields) for r in client.get(f"{API}/runs").json()["items"]}
+    assert {k: listed[k] for k in expected} == expected
+    for run_id, values in expected.items():
+        assert tuple(client.get(f"{API}/runs/{run_id}").json()[f] for f in fields) == values, run_id
+    one = client.get(f"{API}/runs/{accuracy}").json()
+    assert (one["eval_reward"], one["best_eval_reward"]) == (0.903, 0.903)  # the weighted reward, as such

@@ -91,6 +91,31 @@ def test_a_stale_attempt_writes_nothing(writer):
         assert run.status == "running" and run.attempt == 2 and run.step == 0
 
 
+def test_the_step_time_is_the_current_attempts_and_starts_again_on_resume(writer):
+    """The time left comes from the step time the training process measured; a resumed attempt starts with none
+    ("estimating"), never with the earlier attempt's."""
+    run_id = _run(writer)
+    assert writer.transition(run_id, ["queued"], "running")
+    first = writer.for_attempt(run_id, 1)
+    first.begin_attempt(run_id, 0, 200)
+    first.set_progress(run_id, 1, 2.5)
+    first.set_progress(run_id, 2, float("nan"))  # not a time: the last one stays
+    first.set_progress(run_id, 3)
+    with Session(writer.engine) as session:
+        run = session.get(Run, run_id)
+        assert (run.step, run.seconds_per_step) == (3, 2.5)
+    assert writer.transition(run_id, ["running"], "failed", when_attempt=1, error="lost")
+    assert writer.transition(run_id, ["failed"], "queued", when_attempt=1, attempt=Run.attempt + 1, error=None)
+    assert writer.transition(run_id, ["queued"], "running")
+    second = writer.for_attempt(run_id, 2)
+    second.begin_attempt(run_id, 3, 200)
+    with Session(writer.engine) as session:
+        assert session.get(Run, run_id).seconds_per_step is None
+    second.set_progress(run_id, 4, 0.75)
+    with Session(writer.engine) as session:
+        assert session.get(Run, run_id).seconds_per_step == 0.75
+
+
 def test_concurrent_resumes_make_one_new_attempt(api):
     client, _, dispatcher, app = api
     run_id = client.post("/api/v1/runs", json=config()).json()["id"]

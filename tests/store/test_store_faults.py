@@ -156,11 +156,12 @@ def test_nul_bytes_are_stored_the_same_way_on_both_databases_and_counted(api):
         SampleIn(0, 1, "plain\x00prompt", "clean", [], {"acc\x00": 0.0}, 0.0, -0.5, 1, False),
     ]  # fmt: skip
     assert writer.append_samples(run, 1, rows) == 2
+    assert writer.append_samples(run, 2, rows[1:]) == 1  # NULs again: counted in the metric, no second warning
     writer.append_metrics(run, 1, {"rewards/acc\x00/mean": 0.5, "reward": 0.5})
     writer.add_event(run, "info", "a message with\x00 a NUL")
     assert writer.transition(run, ["running"], "failed", error="boom\x00", message="failed: boom\x00")
 
-    items = client.get(f"{API}/runs/{run}/samples", params={"sort": "id"}).json()["items"]
+    items = client.get(f"{API}/runs/{run}/samples", params={"sort": "id", "step": 1}).json()["items"]
     assert [i["completion"] for i in items] == ["2\ufffd\ufffd red", "clean"]
     assert items[0]["prompt"][0]["content"][1]["text"] == "count\ufffd the red"
     assert items[1]["prompt"] == "plain\ufffdprompt"
@@ -170,12 +171,15 @@ def test_nul_bytes_are_stored_the_same_way_on_both_databases_and_counted(api):
     assert [i["completion"] for i in client.get(f"{API}/runs/{run}/samples", params={"q": "red"}).json()["items"]] == [
         "2\ufffd\ufffd red"
     ]
-    assert set(client.get(f"{API}/runs/{run}/metrics").json()) == {"rewards/acc\ufffd/mean", "reward"}
+    metrics = client.get(f"{API}/runs/{run}/metrics").json()
+    assert set(metrics) == {"rewards/acc\ufffd/mean", "reward", "store/nul_replaced"}
+    assert metrics["store/nul_replaced"] == [[1, 8.0], [2, 2.0]]  # each step's count, a metric like the others
     out = client.get(f"{API}/runs/{run}").json()
     assert out["error"] == "boom\ufffd"
     messages = [e["message"] for e in client.get(f"{API}/runs/{run}/events").json()["items"]]
     # counted: 2 in the completion, 1 in the prompt's text, 1 in the plain prompt, 2 in the columns, 2 reward keys
     assert "step 1: 8 NUL characters in rollout text stored as U+FFFD" in " ".join(messages), messages
+    assert not any(m.startswith("step 2:") for m in messages), messages  # warned once per run
     assert any(m.startswith("step 1: 1 NUL character in metric names") for m in messages), messages
     assert "a message with\ufffd a NUL [1 NUL character in this message stored as U+FFFD" in " ".join(messages)
     assert "failed: boom\ufffd" in messages

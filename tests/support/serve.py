@@ -42,11 +42,12 @@ class Serve:
         self.base = f"http://127.0.0.1:{self.port}"
         self.env = env or serve_env(home)
         self.args = args
-        self.log = home / "serve.log"
+        # beside COLLAGE_HOME, not in it: serve makes its home owner-only, and a test checks that everything in it is
+        self.log = home.parent / f"{home.name}.serve.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Serve:
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
         # its own process group: Ctrl-C and kill reach serve and everything it started, nothing else
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "collage.app.cli", "serve", "--port", str(self.port), *self.args],

@@ -179,7 +179,8 @@ def test_store_callback_keeps_the_order_of_writes():
             time.sleep(0.02)  # a slow sink (not a wait of the test)
             calls.append(("metrics", step))
 
-        def set_progress(self, run_id, step):
+        def set_progress(self, run_id, step, seconds_per_step=None):
+            assert seconds_per_step == 1.0  # the step time the trainer measured reaches the store
             calls.append(("progress", step))
 
     from collage.worker.store_callback import StoreCallback

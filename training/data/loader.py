@@ -165,6 +165,39 @@ def _load(
     return _loaded(source, split, rows, None, roots, total, limit)
 
 
+def split_problem(
+    source: str, split: str, *, data_roots: Sequence[Path | str] | None = None, config_name: str | None = None
+) -> str | None:
+    """Why ``split`` of the local ``source`` cannot be read, or None: decided from the folder's layout alone (its
+    file names, a ``save_to_disk`` folder's ``dataset_dict.json``, a snapshot's card), no row is read. Cheap enough
+    for a submit: a run whose ``dataset.eval_split`` names no file is refused there, not on the worker. A single
+    file has every split; synthetic and hub sources are not probed (a hub id needs the network)."""
+    path = Path(source).expanduser()
+    if source.startswith("synth:") or not path.is_dir():
+        return None
+    name = split.split("[", 1)[0]  # validation[:100]: the split is validation
+    roots = resolve_roots(data_roots)
+    try:
+        if (path / "dataset_dict.json").exists():
+            listed = _json_file(_confined(path / "dataset_dict.json", roots)).get("splits", [])
+            if isinstance(listed, list) and name not in listed:
+                return f"{source} has no split {name!r} (splits: {', '.join(map(str, listed)) or 'none'})"
+            return None
+        if (path / "state.json").exists():
+            return None  # one saved Dataset: every split name reads it
+        from .snapshot import SnapshotError, snapshot_files
+
+        if (path / "README.md").exists():
+            _confined(path / "README.md", roots)
+        try:
+            snapshot_files(path, name, config_name) or _split_files(path, name)
+        except SnapshotError as exc:
+            return str(exc)
+    except DatasetError as exc:
+        return str(exc)
+    return None
+
+
 def _confined(file: Path, roots: Roots) -> Path:
     """``file``, once it is known to resolve under the roots to a regular file; :class:`DatasetError` naming it when
     it leads outside them or is not a regular file. (It stays named as the folder names it: the images its rows
@@ -193,11 +226,12 @@ def _saved_files(folder: Path, roots: Roots) -> list[Path]:
             files.append(_confined(split / "dataset_info.json", roots))
         entries = _json_file(state_file).get("_data_files", [])
         names = [e.get("filename") for e in entries if isinstance(e, dict)] if isinstance(entries, list) else None
-        if names is None or not all(isinstance(n, str) and _plain_name(n) for n in names):
+        plain = [n for n in names or [] if isinstance(n, str) and _plain_name(n)]
+        if names is None or len(plain) != len(names):
             raise DatasetError(
                 f"{split / 'state.json'}: its _data_files must be plain file names in its folder: {entries!r}"
             )
-        files.extend(_confined(split / name, roots) for name in names)
+        files.extend(_confined(split / name, roots) for name in plain)
     return files
 
 
