@@ -109,6 +109,16 @@ def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_b
     wait_js(page, f"document.getElementById('run-0').value === '{trained}'")
     # the checkpoint: from the run's list of checkpoints, or (no such route on this server) a step typed in
     wait_js(page, "!document.getElementById('step-0').hidden || !document.getElementById('step-text-0').hidden")
+    # the prompt box starts with the run's own prompt (its newest rollout row's text, no image markers), not a demo's
+    newest = server["client"].get(f"/runs/{trained}/samples", params={"limit": 1, "sort": "-step"}).json()["items"][0]
+    texts = [p["text"] for m in newest["prompt"] for p in (m["content"] if isinstance(m["content"], list) else [])
+             if p.get("type") == "text"]  # fmt: skip
+    wait_js(page, "document.getElementById('prompt').value !== ''", what="the run's prompt in the prompt box")
+    assert page.input_value("#prompt") == "".join(texts).strip()
+    # the file input's "No file chosen" never shows: its label is the button
+    assert page.is_visible("label.pg-add-images") and page.evaluate(
+        "getComputedStyle(document.getElementById('files')).opacity === '0'"
+    )
     page.check("#second-on")
     page.check('input[name="kind-1"][value="path"]')
     page.fill("#path-1", "tiny:qwen2-vl")
@@ -139,6 +149,9 @@ def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_b
         "format",
     }
     assert columns.nth(0).locator(".pg-total").count() == 2  # the weighted total of each completion
+    for head in columns.nth(0).locator(".pg-completion header").all_inner_texts():  # "1 token", "8 tokens"
+        count = int(re.search(r"(\d+) tokens?\b", head).group(1))
+        assert re.search(rf"\b{count} token{'' if count == 1 else 's'}\b", head), head
     run_result, base_result = job["results"]
     assert run_result["model"]["run"] == trained and run_result["model"]["step"] == 2
     assert run_result["image_tokens"] > 0 and run_result["prompt_tokens"] == base_result["prompt_tokens"]
@@ -161,6 +174,9 @@ def test_the_playground_page_generates_with_a_checkpoint_and_a_base_model_side_b
     # a rollout row of the run as the prompt: its conversation, images and answer, sent as stored
     page.click("#rows-load")
     page.wait_for_selector("#rows:not([hidden])")
+    offered = page.locator("#rows option").all_inner_texts()[1:]
+    assert len(set(offered)) == len(offered), offered  # each row told apart (step, group, answer, reward, images)
+    assert all(" · answer " in o and " · reward " in o for o in offered), offered  # before the (same) prompt text
     page.select_option("#rows", index=1)
     sample = server["client"].get(f"/runs/{trained}/samples", params={"limit": 50, "sort": "-step"}).json()["items"][0]
     wait_js(page, f"document.querySelectorAll('.pg-thumb').length === {len(sample['images'])}")

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -221,30 +221,27 @@ def test_a_check_past_its_time_is_killed_and_leaves_no_temp_folder(api):
 
 
 class Stuck:
-    """A dataset whose data file is a FIFO: reading it waits until :meth:`release` writes a row. Requests for it
-    stay in flight as long as the test wants."""
+    """A dataset whose requests stay in flight as long as the test wants: the web process's dataset helper is
+    started with a first request, then frozen (SIGSTOP), so that every request sent to it waits; :meth:`release`
+    lets it go on (SIGCONT) and it answers them all. (A FIFO as the data file used to do this; the loader now
+    refuses a file that is not a regular one before it reads it.)"""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, client):
+        from collage.app.dataset_helper import data_helper
+
         folder.mkdir(parents=True)
-        self.folder, self.fifo = folder, folder / "train.jsonl"
-        os.mkfifo(self.fifo)
+        self.folder = folder
+        (folder / "train.jsonl").write_text('{"prompt": "released"}\n')
+        warm = client.get(API + "/datasets/preview", params={"source": str(folder)})
+        assert warm.status_code == 200, warm.text
+        self.pid = data_helper().proc.pid
+        os.kill(self.pid, signal.SIGSTOP)
 
     def release(self, threads: list[threading.Thread], timeout: float = 300) -> None:
-        """Feed every reader until all ``threads`` have ended."""
-
-        def feed() -> list[threading.Thread]:
-            try:
-                fd = os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError as exc:
-                if exc.errno != errno.ENXIO:  # ENXIO: nobody reads it now
-                    raise
-            else:
-                os.write(fd, b'{"prompt": "released"}\n')
-                os.close(fd)
-            return [t for t in threads if t.is_alive()]
-
-        wait_for(feed, "every request for the stuck dataset to end", until=lambda alive: not alive, timeout=timeout,
-                 interval=0.05)  # fmt: skip
+        """Let the helper go on, and wait until all ``threads`` have ended."""
+        os.kill(self.pid, signal.SIGCONT)
+        wait_for(lambda: [t for t in threads if t.is_alive()], "every request for the stuck dataset to end",
+                 until=lambda alive: not alive, timeout=timeout, interval=0.05)  # fmt: skip
 
 
 def _in_background(fn) -> tuple[threading.Thread, list]:
@@ -268,7 +265,7 @@ def _gate_total(app) -> int:
 def test_each_token_has_a_limit_of_dataset_requests_in_flight(api, tmp_path):
     client, _, _, app = api
     app.state.settings = dataclasses.replace(app.state.settings, dataset_per_user=1, preview_timeout=scaled(300))
-    stuck = Stuck(tmp_path / "stuck")
+    stuck = Stuck(tmp_path / "stuck", client)
     alice, bob = (
         {"Authorization": f"Bearer {t}"} for t in _tokens(app, 2)
     )  # fmt: skip
@@ -322,11 +319,11 @@ def test_waiting_previews_never_hang_the_api(api, tmp_path):
     thread of the server's threadpool)."""
     import httpx
 
-    _, admin, _, app = api
+    client, admin, _, app = api
     app.state.settings = dataclasses.replace(
         app.state.settings, dataset_per_user=1, dataset_queue=8, preview_timeout=scaled(300)
     )
-    stuck = Stuck(tmp_path / "stuck")
+    stuck = Stuck(tmp_path / "stuck", client)
     tokens = _tokens(app, 45)
     with _served(app) as base:
         threads, answers = [], []
