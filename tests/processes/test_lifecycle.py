@@ -218,7 +218,7 @@ def _watched(writer, monkeypatch, tmp_path, script: str, heartbeat_timeout: floa
 def test_a_child_stopped_before_it_is_ready_is_killed_and_its_run_fails_saying_so(writer, monkeypatch, tmp_path):
     """SIGSTOP before the ready file: the supervisor beats for a starting child, so neither its heartbeat check nor
     the reaper ever saw it; on main the run stayed running at step 0 for 3.75 heartbeat timeouts and on."""
-    script = "import os, signal, time; os.kill(os.getpid(), signal.SIGSTOP); time.sleep(600)"
+    script = "import os, signal, threading; os.kill(os.getpid(), signal.SIGSTOP); threading.Event().wait()"
     final, run = _watched(writer, monkeypatch, tmp_path, script, scaled(1.5))
     assert final == "failed" and run.status == "failed"
     assert "was stopped" in run.error and "before it was ready" in run.error, run.error
@@ -228,8 +228,8 @@ def test_a_child_stopped_after_it_is_ready_is_reported_stopped_not_its_worker_lo
     """The worker lives and watches its stopped child: the supervisor's verdict (stopped) comes before the reaper's
     (no heartbeat: worker lost), which on main fired first."""
     script = (
-        "import os, pathlib, signal, time; pathlib.Path(os.environ['COLLAGE_CHILD_READY_FILE']).touch(); "
-        "os.kill(os.getpid(), signal.SIGSTOP); time.sleep(600)"
+        "import os, pathlib, signal, threading; pathlib.Path(os.environ['COLLAGE_CHILD_READY_FILE']).touch(); "
+        "os.kill(os.getpid(), signal.SIGSTOP); threading.Event().wait()"
     )
     final, run = _watched(writer, monkeypatch, tmp_path, script, scaled(4))
     assert final == "failed"
@@ -240,7 +240,12 @@ def test_a_child_stopped_after_it_is_ready_is_reported_stopped_not_its_worker_lo
 def test_a_child_that_never_gets_ready_is_killed_at_its_start_deadline(writer, monkeypatch, tmp_path):
     """A start that hangs (an import, a checkpoint download) is bounded by COLLAGE_CHILD_START_TIMEOUT."""
     final, run = _watched(
-        writer, monkeypatch, tmp_path, "import time; time.sleep(600)", scaled(1.5), start_timeout=scaled(3)
+        writer,
+        monkeypatch,
+        tmp_path,
+        "import threading; threading.Event().wait()",
+        scaled(1.5),
+        start_timeout=scaled(3),
     )
     assert final == "failed"
     assert "COLLAGE_CHILD_START_TIMEOUT" in run.error and "did not finish starting" in run.error, run.error
