@@ -221,6 +221,35 @@ def scalar_columns(columns: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 @dataclass
+class TrajectoryTurn:
+    """One turn of a rollout row's trajectory, its images by content hash like the row's own. ``sources[i]``: where
+    tool image ``i`` came from, ``{"image": k, "bbox_2d": [x1, y1, x2, y2]}`` (image ``k`` of the rollout, the row's
+    images first, then the tool images in order), or None."""
+
+    role: str  # "assistant" | "tool"
+    text: str
+    tool_call: dict[str, Any] | None = None  # {"name", "arguments"}
+    images: list[RolloutImage] = field(default_factory=list)
+    sources: list[dict[str, Any] | None] = field(default_factory=list)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The contract's turn (``url`` is added by whoever serves the images)."""
+        out: dict[str, Any] = {"role": self.role, "text": self.text}
+        if self.tool_call is not None:
+            out["tool_call"] = self.tool_call
+        if self.images:
+            out["images"] = [
+                {"sha256": im.sha256, "width": im.width, "height": im.height,
+                 **({"source": src} if src is not None else {})}
+                for im, src in zip(self.images, self.sources or [None] * len(self.images), strict=True)
+            ]  # fmt: skip
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+@dataclass
 class RolloutRow:
     """One completion of the rollout table (contract: a rollout row), with its images by content hash.
     ``columns``: the dataset row's scalar columns besides the prompt and images (``answer``, ...), kept as
@@ -245,6 +274,8 @@ class RolloutRow:
     # "train": a rollout the policy learns from; "eval": a held-out evaluation rollout (advantage 0, group = the
     # held-out prompt's place in the evaluation, step = the optimizer step evaluated, 0 for eval_on_start)
     split: str = "train"
+    # a multi-turn rollout's turns (run with tools; contract: a rollout row's ``trajectory``), empty otherwise
+    trajectory: list[TrajectoryTurn] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.columns = scalar_columns(self.columns)
@@ -252,6 +283,7 @@ class RolloutRow:
     def __setstate__(self, state: dict[str, Any]) -> None:  # a checkpoint pickled before rows had columns/split
         state.setdefault("columns", {})
         state.setdefault("split", "train")
+        state.setdefault("trajectory", [])
         self.__dict__.update(state)
 
     def to_json(self) -> dict[str, Any]:
@@ -272,6 +304,7 @@ class RolloutRow:
             "group_std": self.group_std,
             "columns": self.columns,
             "split": self.split,
+            "trajectory": [turn.to_json() for turn in self.trajectory],
         }
 
 

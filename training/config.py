@@ -384,6 +384,48 @@ class RewardSettings(_Strict):
         return value
 
 
+class ToolSettings(_Strict):
+    """One entry of the top-level ``tools`` list: a tool the model may call during a rollout (docs/tools.md)."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=500,
+        description=(
+            "A built-in image tool (image_zoom_in: a crop of a region of an image; image_rotate: an image turned by "
+            "90, 180 or 270 degrees) or an import path package.module:function the operator allowlisted "
+            "(COLLAGE_TOOL_MODULES): a function with type hints and a docstring, its JSON schema read from them as in "
+            "TRL."
+        ),
+    )
+    coords: Literal["pixel", "normalised"] = Field(
+        "pixel",
+        description=(
+            "image_zoom_in only: bbox_2d in the pixel coordinates of the image it names (pixel) or as fractions 0..1 "
+            "of its width and height (normalised, Mini-o3's convention)."
+        ),
+    )
+    timeout: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description=(
+            "Seconds one call of this tool may take; past it the model sees a tool error (the call's thread is "
+            "abandoned, never waited for)."
+        ),
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments the tool always receives (JSON values; not shown to the model).",
+    )
+
+    @field_validator("args")
+    @classmethod
+    def _bounded_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if (problem := json_problem(value)) is not None:
+            raise ValueError(problem)
+        return value
+
+
 class TrainSettings(_Strict):
     """The ``train`` section. Keys TRL has carry TRL's names, defaults and meanings (``GRPOConfig`` /
     ``RLOOConfig`` 1.16); ``beta``'s default depends on the algorithm and is filled in by :class:`RunConfig`."""
@@ -608,6 +650,41 @@ class TrainSettings(_Strict):
     mask_truncated_completions: bool = Field(
         False,
         description="Leave completions that hit the length limit out of the loss (TRL: mask_truncated_completions).",
+    )
+    max_tool_calling_iterations: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description=(
+            "With tools: the most tool calls one training rollout may make; the model's turn after the last allowed "
+            "call ends the rollout (TRL: max_tool_calling_iterations). max_completion_length counts every assistant "
+            "and tool token of the rollout."
+        ),
+    )
+    eval_max_tool_calling_iterations: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description=(
+            "With tools: the most tool calls of an evaluation rollout; empty = max_tool_calling_iterations (Mini-o3 "
+            "evaluates with more turns than it trains)."
+        ),
+    )
+    max_images_per_rollout: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description=(
+            "With tools: the most images one rollout may hold, the row's own included; a tool result that would "
+            "pass it becomes a tool error the model sees."
+        ),
+    )
+    mask_capped_trajectories: bool = Field(
+        False,
+        description=(
+            "With tools: leave rollouts that still called a tool when max_tool_calling_iterations ran out out of "
+            "the loss (Mini-o3's over-turn masking), as mask_truncated_completions does for the length limit."
+        ),
     )
     # who samples the completions: "hf" (transformers' generate). The seam for vLLM (colocated, weights synced
     # each step) is training.generation.BACKENDS; no vLLM backend ships until it is built and measured on a GPU
@@ -895,6 +972,26 @@ class RunConfig(_Strict):
         default_factory=TrainSettings,
         description="The optimisation, sampling, loss, evaluation and checkpoint keys (TRL's names).",
     )
+    tools: list[ToolSettings] = Field(
+        default_factory=list,
+        max_length=32,
+        description=(
+            "Tools the model may call in a rollout, each {name: ...}: image_zoom_in, image_rotate, or an allowlisted "
+            "package.module:function. With tools (or an environment) rollouts are multi-turn: the model's "
+            "<tool_call>{json}</tool_call> runs the tool and its result (text and images) comes back as a tool turn "
+            "(docs/tools.md)."
+        ),
+    )
+    environment: str | None = Field(
+        None,
+        min_length=1,
+        max_length=500,
+        description=(
+            "An allowlisted class package.module:Class (COLLAGE_TOOL_MODULES), one instance per rollout: reset(row) "
+            "starts it, its public methods are tools beside the tools list, and an optional reward() is readable by "
+            "the environment_reward reward (TRL: environment_factory)."
+        ),
+    )
     logging: LoggingSettings = Field(
         default_factory=LoggingSettings, description="What the run records beyond its metrics."
     )
@@ -944,9 +1041,17 @@ class RunConfig(_Strict):
                     "adapters disabled, not a copy that could be synchronised (TRL refuses it too)"
                 )
         self._check_eval()
+        names = [tool.name for tool in self.tools]
+        if (dup := next((n for n in names if names.count(n) > 1), None)) is not None:
+            raise ValueError(f"tools: {dup!r} is listed twice")
         if self.name is None:
             self.name = default_name(self)
         return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether rollouts are multi-turn: the run names tools or an environment."""
+        return bool(self.tools) or self.environment is not None
 
     def _check_eval(self) -> None:
         t, d = self.train, self.dataset

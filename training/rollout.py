@@ -29,10 +29,18 @@ from .generation_batch import GenerationBatch
 from .models.families import Family
 from .rewards import Reward, RewardBatch, score
 from .step_metrics import float_or_none, to_float
+from .tools.multiturn import MultiTurnEngine, Trajectory, TurnLimits
+from .tools.report import tool_metrics, tool_stats, trajectory_turns
 
 
-def reward_batch(repeated: list[Sample], texts: list[str], completion_ids: list[list[int]]) -> RewardBatch:
-    """What the reward functions see for these completions (each sample repeated once per completion)."""
+def reward_batch(
+    repeated: list[Sample],
+    texts: list[str],
+    completion_ids: list[list[int]],
+    trajectories: list[Trajectory] | None = None,
+) -> RewardBatch:
+    """What the reward functions see for these completions (each sample repeated once per completion); with
+    ``trajectories`` (a run with tools) also every rollout's turns and environment."""
     columns = {k: [s.columns.get(k) for s in repeated] for k in sorted({k for s in repeated for k in s.columns})}
     return RewardBatch(
         prompts=[s.prompt for s in repeated],
@@ -41,7 +49,50 @@ def reward_batch(repeated: list[Sample], texts: list[str], completion_ids: list[
         images=[s.images for s in repeated],
         columns=columns,
         rows=[s.row for s in repeated],
+        trajectories=None if trajectories is None else [t.turns for t in trajectories],
+        environments=None if trajectories is None else [t.environment for t in trajectories],
     )
+
+
+def turn_limits(t: TrainSettings, evaluation: bool = False) -> TurnLimits:
+    """A rollout's limits in training, or in an evaluation (``eval_max_tool_calling_iterations``)."""
+    iterations = t.max_tool_calling_iterations
+    if evaluation and t.eval_max_tool_calling_iterations is not None:
+        iterations = t.eval_max_tool_calling_iterations
+    return TurnLimits(iterations, t.max_images_per_rollout, t.max_completion_length)
+
+
+def multi_turn(
+    engine: MultiTurnEngine,
+    policy: Any,
+    samples: list[Sample],
+    encoded: list[EncodedPrompt],
+    prompt_batch: ModelBatch,
+    num_generations: int,
+    limits: TurnLimits,
+    generate: Any,
+    vision: Any,
+    to_device: Any,
+) -> tuple[ModelBatch, list[Trajectory]]:
+    """Multi-turn rollouts of ``samples`` (``prompt_batch``: their distinct prompts on the device) and the batch the
+    loss forwards take: each rollout's prompt with all its images, its whole tail as the completion, only the
+    generated tokens counted (``generate(batch, num_generations, max_new_tokens, encoder_outputs)`` samples a turn,
+    ``vision(batch)`` gives a batch's cached vision features)."""
+    family = engine.family
+    first = generate(prompt_batch, num_generations, limits.max_completion_length, vision(prompt_batch))
+    trajectories = engine.run(
+        samples, encoded, num_generations, limits, first, lambda b, g, n: generate(b, g, n, vision(b)), to_device
+    )
+    batch = collate(
+        [t.as_prompt(family) for t in trajectories],
+        family,
+        engine.tokenizer.pad_token_id,
+        [t.tail for t in trajectories],
+        engine.encoder.protected,
+        generated=[t.generated for t in trajectories],
+        tool_images=[t.tool_image_count for t in trajectories],
+    )
+    return batch, trajectories
 
 
 def rollout_image(image: Any) -> RolloutImage:
@@ -91,6 +142,7 @@ class Rollouts:
         family: Family,
         rewards: list[Reward],
         passes: ForwardPasses,
+        engine: MultiTurnEngine | None = None,
     ):
         self.config = config
         self.accelerator = accelerator
@@ -102,6 +154,7 @@ class Rollouts:
         self.family = family
         self.rewards = rewards
         self.passes = passes
+        self.engine = engine  # multi-turn rollouts (a run with tools or an environment); None: one turn each
         self.rank = accelerator.process_index
         self.num_tokens = 0.0
 
@@ -110,18 +163,27 @@ class Rollouts:
         spent sampling and scoring is added to ``timings`` (``timing/generation``, ``timing/rewards``)."""
         t = self.config.train
         repeated: list[Sample] = [s for s in samples for _ in range(t.num_generations)]
-        batch, completions, truncated = self._generate(samples, timings)
+        batch, completions, truncated, trajectories = self._generate(samples, timings)
         old_logps, ref_logps = self._old_and_reference_logps(batch)
-        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
+        if trajectories is None:
+            texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
+        else:
+            texts = [traj.completion_text for traj in trajectories]
         mask = batch.completion_mask.float()
-        scores = self._score(repeated, texts, completions, mask, old_logps, ref_logps, timings)
+        scores = self._score(repeated, texts, completions, mask, old_logps, ref_logps, timings, trajectories)
         n_local = len(texts)
         mine = slice(self.rank * n_local, (self.rank + 1) * n_local)
         num_items = self.accelerator.gather(mask.sum().reshape(1)).sum()
 
         lengths = torch.tensor([len(ids) for ids in completions.ids], device=self.accelerator.device)
         metrics = self._generation_metrics(scores, batch, lengths, truncated, mask)
+        if trajectories is not None:
+            metrics.update(self._tool_metrics(trajectories, scores.per_func))
         rows = self._rollout_rows(repeated, texts, completions, scores.per_func[mine], scores.advantages, mine, step)
+        if trajectories is not None and rows:
+            cache: dict[int, RolloutImage] = {}
+            for row, traj in zip(rows, trajectories, strict=True):
+                row.trajectory = trajectory_turns(traj, lambda im: cache.setdefault(id(im), rollout_image(im)))
         order = self._micro_batch_order(batch, lengths)
         pick = torch.as_tensor(order, device=self.accelerator.device)
         return GenerationBatch(
@@ -137,11 +199,43 @@ class Rollouts:
     def _to_device(self, batch: ModelBatch) -> ModelBatch:
         return batch_to_device(batch, self.accelerator.device, next(self.model.parameters()).dtype)
 
+    def _tool_metrics(self, trajectories: list[Trajectory], per_func: torch.Tensor) -> dict[str, float]:
+        assert self.engine is not None
+        names = self.engine.tool_names
+        stats = self.accelerator.gather(tool_stats(trajectories, names).to(self.accelerator.device))
+        return tool_metrics(stats.cpu(), names, per_func.cpu(), [r.name for r in self.rewards])
+
+    def _generate_multi_turn(
+        self, samples: list[Sample], encoded: list[EncodedPrompt], prompt_batch: ModelBatch, policy: Any
+    ) -> tuple[ModelBatch, Completions, torch.Tensor, list[Trajectory]]:
+        assert self.engine is not None
+        t = self.config.train
+        backend = generation_backend(t.generation_backend)
+        sampling = training_sampling(t)
+
+        def generate(batch: ModelBatch, g: int, max_new: int, features: Any) -> Completions:
+            return backend(policy, batch, g, self.family, self.tokenizer, self.encoder.image_token_id,
+                           self.encoder.protected, max_new, sampling, features)  # fmt: skip
+
+        batch, trajectories = multi_turn(
+            self.engine, policy, samples, encoded, prompt_batch, t.num_generations, turn_limits(t), generate,
+            lambda b: self.passes.encoder_outputs(policy, b, self.passes.scope("policy")), self._to_device,
+        )  # fmt: skip
+        completions = Completions([traj.tail for traj in trajectories], [traj.truncated for traj in trajectories])
+        truncated = torch.tensor(completions.truncated)
+        masked = truncated.clone() if t.mask_truncated_completions else torch.zeros_like(truncated)
+        if t.mask_capped_trajectories:
+            masked |= torch.tensor([traj.capped for traj in trajectories])
+        batch.completion_mask[masked] = 0
+        batch.attention_mask[masked, batch.prompt_length :] = 0
+        return self._to_device(batch), completions, truncated, trajectories
+
     def _generate(
         self, samples: list[Sample], timings: dict[str, float]
-    ) -> tuple[ModelBatch, Completions, torch.Tensor]:
+    ) -> tuple[ModelBatch, Completions, torch.Tensor, list[Trajectory] | None]:
         """Sample ``num_generations`` completions for each prompt: the prompts and their completions as one batch
-        on the device, the completions, and which of them were truncated (no EOS within the length limit)."""
+        on the device, the completions, which of them were truncated (no EOS within the length limit), and with
+        tools each rollout's trajectory (the completions are then every token after the prompt)."""
         t = self.config.train
         pad = self.tokenizer.pad_token_id
         encoded = [self.encoder.encode(s) for s in samples]  # each prompt encoded once, then repeated
@@ -150,6 +244,10 @@ class Rollouts:
         self.passes.vision.clear()  # features live for one generation batch (the policy moves between batches)
         tic = time.perf_counter()
         prompt_batch = self._to_device(collate(encoded, self.family, pad))
+        if self.engine is not None:
+            out = self._generate_multi_turn(samples, encoded, prompt_batch, policy)
+            timings["timing/generation"] += time.perf_counter() - tic
+            return out
         completions = generation_backend(t.generation_backend)(
             policy,
             prompt_batch,
@@ -168,7 +266,7 @@ class Rollouts:
         if t.mask_truncated_completions:
             batch.completion_mask[truncated] = 0
             batch.attention_mask[truncated, batch.prompt_length :] = 0
-        return self._to_device(batch), completions, truncated
+        return self._to_device(batch), completions, truncated, None
 
     def _old_and_reference_logps(self, batch: ModelBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The policy's log-probs at generation time (when the policy moves before the batch is used up, or for
@@ -196,11 +294,15 @@ class Rollouts:
         old_logps: torch.Tensor | None,
         ref_logps: torch.Tensor | None,
         timings: dict[str, float],
+        trajectories: list[Trajectory] | None = None,
     ) -> Scores:
         """Every reward on this process's completions, gathered from all processes, combined into advantages."""
         cfg, t = self.config, self.config.train
         device = self.accelerator.device
-        batch = reward_batch(repeated, texts, completions.ids)
+        if trajectories is None:
+            batch = reward_batch(repeated, texts, completions.ids)
+        else:  # rewards see the tokens the model generated, and the whole trajectory
+            batch = reward_batch(repeated, texts, [traj.generated_ids for traj in trajectories], trajectories)
         tic = time.perf_counter()
         local = torch.tensor(score(self.rewards, batch), dtype=torch.float32, device=device)
         timings["timing/rewards"] += time.perf_counter() - tic

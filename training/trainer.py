@@ -46,16 +46,18 @@ from .data.rowsource import row_ids
 from .data_order import DataOrder, DrawCheck
 from .evaluation import ScoredCompletion, eval_metric_keys, eval_metrics, weighted_reward
 from .forward_passes import ForwardPasses, batch_to_device
-from .generation import Sampling
+from .generation import Completions, Sampling, eos_ids
 from .generation import backend as generation_backend
 from .generation_batch import GenerationBatch
 from .modeling import prepare_policy, reference_model, trainable_vision_params
 from .models.loading import load_model, load_processor
 from .optimization import Optimization, loss_metrics, loss_settings
 from .rewards import Reward, RewardError, resolve_reward, score
-from .rollout import Rollouts, reward_batch, rollout_image
+from .rollout import Rollouts, multi_turn, reward_batch, rollout_image, turn_limits
 from .step_metrics import mean_dicts, to_float
 from .step_timing import RecentStepTime
+from .tools.multiturn import build_engine
+from .tools.report import eval_tool_metrics, trajectory_turns
 from .training_error import TrainingError
 
 # GenerationBatch and TrainingError are part of this module's interface too: checkpoints name the buffer's class
@@ -101,14 +103,18 @@ class Trainer:
         resume: bool = False,
         reward_modules: Sequence[str] | None = None,
         data_roots: Sequence[Path] | None = None,
+        tool_modules: Sequence[str] | None = None,
     ):
         """``reward_modules``: the operator's allowlist for import-path rewards, for a config an API client sent
         (see :func:`~training.rewards.registry.resolve_reward`); ``None`` trusts the config (local ``collage train``).
+        ``tool_modules``: the same for import-path tools and the environment (the operator's COLLAGE_TOOL_MODULES, a
+        list of its own; see :mod:`training.tools.registry`); ``None`` trusts the config.
         ``data_roots``: the folders every image path inside a dataset row must lie under (the operator's
         COLLAGE_DATA_ROOTS); ``None`` leaves them unconfined (local ``collage train`` without COLLAGE_DATA_ROOTS).
         """
         self.config = config
         self.reward_modules = tuple(reward_modules) if reward_modules is not None else None
+        self.tool_modules = tuple(tool_modules) if tool_modules is not None else None
         self.data_roots = tuple(data_roots) if data_roots is not None else None
         self.out = Path(output_dir) if output_dir is not None else None
         self.callbacks = CallbackList(callbacks or [])
@@ -206,6 +212,8 @@ class Trainer:
             gradient_checkpointing=t.gradient_checkpointing,
             world=self.world,
         )
+        self.engine = build_engine(cfg, self.encoder, self.tokenizer, self.family, self.tool_modules,
+                                   eos_ids(self.accelerator.unwrap_model(self.model), self.tokenizer))  # fmt: skip
         self.rollouts = Rollouts(
             cfg,
             self.accelerator,
@@ -217,6 +225,7 @@ class Trainer:
             family=self.family,
             rewards=self.rewards,
             passes=self.passes,
+            engine=self.engine,
         )
         self.optimization = Optimization(
             cfg,
@@ -509,6 +518,9 @@ class Trainer:
             self._pass_reward(),
             t.eval_pass_threshold,
         )
+        if self.engine is not None:
+            rows_scored = [row for row, _ in scored]
+            metrics.update(eval_tool_metrics(rows_scored, self.engine.tool_names, [r.name for r in self.rewards]))
         metrics["timing/eval"] = time.perf_counter() - tic
         self.last_eval_step = self.step
         self.checkpoints.moved_on()  # the state moved on: a checkpoint must record this evaluation
@@ -522,24 +534,34 @@ class Trainer:
         samples = [raw.to_sample() for raw in raws]
         encoded = [self.encoder.encode(s) for s in samples]
         policy = self.accelerator.unwrap_model(self.model)
+        sampling = self._eval_sampling()
+        backend = generation_backend(t.generation_backend)
+
+        def generate(batch: Any, n: int, max_new: int, features: Any) -> Completions:
+            return backend(policy, batch, n, self.family, self.tokenizer, self.image_token_id,
+                           self.encoder.protected, max_new, sampling, features)  # fmt: skip
+
+        trajectories = None
         with torch.no_grad():
             prompts = self._to_device(collate(encoded, self.family, self.tokenizer.pad_token_id))
             self.eval_vision.clear()
-            completions = generation_backend(t.generation_backend)(
-                policy,
-                prompts,
-                g,
-                self.family,
-                self.tokenizer,
-                self.image_token_id,
-                self.encoder.protected,
-                t.max_completion_length,
-                self._eval_sampling(),
-                self.eval_vision.encoder_outputs(policy, prompts, POLICY),
-            )
+            if self.engine is None:
+                completions = generate(prompts, g, t.max_completion_length,
+                                       self.eval_vision.encoder_outputs(policy, prompts, POLICY))  # fmt: skip
+            else:  # the same turn loop as training, with the evaluation's own turn limit
+                _, trajectories = multi_turn(
+                    self.engine, policy, samples, encoded, prompts, g, turn_limits(t, evaluation=True), generate,
+                    lambda b: self.eval_vision.encoder_outputs(policy, b, POLICY), self._to_device,
+                )  # fmt: skip
+                completions = Completions([x.tail for x in trajectories], [x.truncated for x in trajectories])
         repeated = [s for s in samples for _ in range(g)]
-        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
-        values = score(self.rewards, reward_batch(repeated, texts, completions.ids))
+        if trajectories is None:
+            texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
+            values = score(self.rewards, reward_batch(repeated, texts, completions.ids))
+        else:
+            texts = [x.completion_text for x in trajectories]
+            values = score(self.rewards, reward_batch(repeated, texts, [x.generated_ids for x in trajectories],
+                                                      trajectories))  # fmt: skip
         names = [r.name for r in self.rewards]
         weights = [r.weight for r in self.rewards]
         images: dict[int, RolloutImage] = {}
@@ -564,6 +586,10 @@ class Trainer:
                 columns=sample.columns,
                 split="eval",
             )
+            if trajectories is not None:
+                row.trajectory = trajectory_turns(
+                    trajectories[i], lambda im: images.setdefault(id(im), rollout_image(im))
+                )
             scored = ScoredCompletion(positions[i // g], i % g, rewards, row.completion_length, len(sample.images))
             out.append((row, scored))
         return out

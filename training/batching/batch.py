@@ -29,6 +29,9 @@ class ModelBatch:
     num_images: list[int]
     rows: list[int] = field(default_factory=list)
     image_keys: list[str | None] = field(default_factory=list)  # per sample: its EncodedPrompt.image_key
+    # per sample: how many of its images lie in its completion (a multi-turn rollout's tool images); a batch with
+    # any is never run prompt-shared (training.batching.prefix runs completions as text)
+    tool_images: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -40,6 +43,7 @@ class ModelBatch:
 
     def _take(self, index: torch.Tensor | slice, pixels: Pixels, samples: Sequence[int]):
         keys = getattr(self, "image_keys", [])  # absent from a batch pickled by an older version
+        tools = getattr(self, "tool_images", [])
         return replace(
             self,
             input_ids=self.input_ids[index],
@@ -49,6 +53,7 @@ class ModelBatch:
             num_images=[self.num_images[i] for i in samples],
             rows=[self.rows[i] for i in samples],
             image_keys=[keys[i] for i in samples] if keys else [],
+            tool_images=[tools[i] for i in samples] if tools else [],
         )
 
     def trimmed(self) -> ModelBatch:
@@ -89,11 +94,18 @@ def collate(
     pad_id: int,
     completions: Sequence[Sequence[int]] | None = None,
     protected: set[int] | None = None,
+    generated: Sequence[Sequence[int]] | None = None,
+    tool_images: Sequence[int] | None = None,
 ) -> ModelBatch:
     """Left-pad prompts, right-pad completions, join pixels.
 
     Completion tokens that are vision tokens (a model can generate ``<|image_pad|>``) are replaced by padding
     and masked out of the loss: fed back as they are, they would be taken for image slots.
+
+    ``generated`` (multi-turn rollouts): per completion, 1 where the model generated the token and 0 where the
+    template or a tool put it there; only generated tokens count in the loss (TRL's ``tool_mask``), and only they
+    are checked for vision tokens: a tool turn's image tokens are real image slots, its images (``tool_images``
+    of them per sample, the last of the sample's images) in the prompt's pixels.
     """
     p_len = max(len(p.input_ids) for p in prompts)
     completions = completions if completions is not None else [[] for _ in prompts]
@@ -111,11 +123,16 @@ def collate(
         attention[i, p_len - n : p_len] = 1
         if completion:
             comp = torch.as_tensor(list(completion), dtype=torch.long)
-            bad = torch.as_tensor([t in protected for t in completion], dtype=torch.bool)
+            own = torch.ones(len(comp), dtype=torch.bool)
+            if generated is not None:
+                if len(generated[i]) != len(comp):
+                    raise ValueError(f"completion {i}: {len(comp)} tokens but {len(generated[i])} generated flags")
+                own = torch.as_tensor(list(generated[i]), dtype=torch.bool)
+            bad = torch.as_tensor([t in protected for t in completion], dtype=torch.bool) & own
             comp[bad] = pad_id
             input_ids[i, p_len : p_len + len(comp)] = comp
             attention[i, p_len : p_len + len(comp)] = 1
-            completion_mask[i, : len(comp)] = (~bad).long()
+            completion_mask[i, : len(comp)] = (own & ~bad).long()
     per_sample = [_tiles_in_image_slots(p.pixels, p.num_images) for p in prompts] if family.tiled else None
     pixels = join_pixels(family.layout, per_sample or [p.pixels for p in prompts])
     return ModelBatch(
@@ -127,6 +144,7 @@ def collate(
         num_images=[p.num_images for p in prompts],
         rows=[p.row for p in prompts],
         image_keys=[p.image_key for p in prompts],
+        tool_images=list(tool_images) if tool_images is not None else [],
     )
 
 

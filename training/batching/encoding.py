@@ -117,6 +117,34 @@ class PromptEncoder:
         except TemplateLimit as exc:
             raise RowError(sample.row, str(exc)) from exc
 
+    def processor_pixels(self, enc: Any, row: int, num_images: int) -> Pixels:
+        """The pixel inputs of one processor output for one sample, in the family layout."""
+        pixels: Pixels = {}
+        for key in self.family.pixel_keys:
+            if key in enc:
+                value = enc[key]
+                # batch-padded processors add a batch axis; per sample we keep the images only
+                pixels[key] = value[0] if value.dim() > 0 and self.family.layout == "batch_padded" else value
+        if not pixels:
+            raise RowError(row, f"the processor returned no pixel inputs for {num_images} images")
+        return pixels
+
+    def encode_segment(self, text: str, images: Sequence[Any], row: int) -> tuple[list[int], Pixels]:
+        """The ids and pixels of a piece of a conversation that follows a prompt (a tool turn and the next
+        generation prompt, rendered text with one image placeholder per image): the processor expands each image's
+        placeholder into that family's image tokens, tiles and separators for the *new* images, and adds no special
+        tokens (no second BOS in the middle of a conversation)."""
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt", "add_special_tokens": False}
+        if images:
+            kwargs["images"] = [list(images)]
+        try:
+            enc = self.processor(**kwargs)
+        except ValueError as exc:
+            raise RowError(row, f"the processor rejected a tool turn: {exc}") from exc
+        ids = enc["input_ids"][0].tolist()
+        pixels = self.processor_pixels(enc, row, len(images)) if images else {}
+        return ids, pixels
+
     def encode(self, sample: Sample) -> EncodedPrompt:
         text = self.render(sample)
         kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
@@ -127,15 +155,7 @@ class PromptEncoder:
         except ValueError as exc:
             raise RowError(sample.row, f"the processor rejected the row: {exc}") from exc
         ids = enc["input_ids"][0].tolist()
-        pixels: Pixels = {}
-        if sample.images:
-            for key in self.family.pixel_keys:
-                if key in enc:
-                    value = enc[key]
-                    # batch-padded processors add a batch axis; per sample we keep the images only
-                    pixels[key] = value[0] if value.dim() > 0 and self.family.layout == "batch_padded" else value
-            if not pixels:
-                raise RowError(sample.row, f"the processor returned no pixel inputs for {len(sample.images)} images")
+        pixels: Pixels = self.processor_pixels(enc, sample.row, len(sample.images)) if sample.images else {}
         n_image_tokens = sum(1 for t in ids if t == self.image_token_id)
         if sample.images and n_image_tokens == 0:
             raise RowError(sample.row, "the processor produced no image tokens for the row's images")

@@ -155,6 +155,22 @@ def join_pixels(layout: str, per_sample: Sequence[Pixels]) -> Pixels:
     raise ValueError(f"unknown pixel layout {layout!r}")
 
 
+def concat_sample_pixels(layout: str, parts: Sequence[Pixels]) -> Pixels:
+    """One sample's pixel dict from several per-sample dicts of that same sample, images in order: a multi-turn
+    rollout's own images followed by each tool turn's (every family's image axis is the first; trailing dimensions
+    that differ, a batch-padded tile's height and width or LLaVA-OneVision's patch count, are zero-padded, which
+    their masks and sizes already say how to read)."""
+    present = [p for p in parts if p]
+    if not present:
+        return {}
+    keys = present[0].keys()
+    if layout == GRID:
+        return {k: torch.cat([p[k] for p in present], dim=0) for k in keys}
+    if layout in (IMAGE_INDEXED, BATCH_PADDED):
+        return {k: _cat_padded([p[k] for p in present]) for k in keys}
+    raise ValueError(f"unknown pixel layout {layout!r}")
+
+
 def select_pixels(layout: str, pixels: Pixels, num_images: Sequence[int], order: Sequence[int]) -> Pixels:
     """Re-order (or sub-select) samples: the result's sample ``j`` is the input's sample ``order[j]``."""
     parts = split_pixels(layout, pixels, num_images)

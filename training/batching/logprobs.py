@@ -61,7 +61,9 @@ def _completion_hidden(
     """
     owner, name, head = _lm_head_slot(model)
     c_len = batch.input_ids.shape[1] - batch.prompt_length
-    groups = prompt_groups(batch) if share_prompts and c_len > 0 else None
+    # a multi-turn rollout's completion holds tool images: its prompt is not shareable (prefix runs completions as text)
+    shareable = share_prompts and c_len > 0 and not any(getattr(batch, "tool_images", None) or [])
+    groups = prompt_groups(batch) if shareable else None
     setattr(owner, name, torch.nn.Identity())
     try:
         if groups is not None and len(groups[0]) < batch.batch_size:

@@ -182,16 +182,23 @@ class RewardBatch:
     images: list[list[Any]]
     columns: dict[str, list[Any]]
     rows: list[int]
+    # a run with tools: each completion's turns (training.tools.types.Turn) and its environment instance (or None)
+    trajectories: list[list[Any]] | None = None
+    environments: list[Any] | None = None
 
     def kwargs(self, indices: Sequence[int] | None = None) -> dict[str, Any]:
         pick = (lambda xs: [xs[i] for i in indices]) if indices is not None else (lambda xs: list(xs))
-        return {
+        out = {
             "prompts": pick(self.prompts),
             "completions": [[{"role": "assistant", "content": c}] for c in pick(self.completions)],
             "completion_ids": pick(self.completion_ids),
             "images": pick(self.images),
             **{k: pick(v) for k, v in self.columns.items()},
         }
+        if self.trajectories is not None:  # only in runs with tools: older reward functions never see new keywords
+            out["trajectories"] = pick(self.trajectories)
+            out["environments"] = pick(self.environments or [None] * len(self.trajectories))
+        return out
 
 
 def _call_sync(reward: Reward, kwargs: dict[str, Any]) -> Any:

@@ -1,0 +1,1 @@
+"""Tools the model calls during a multi-turn rollout, and the environments that hold a rollout's state."""
