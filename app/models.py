@@ -98,6 +98,9 @@ class Sample(SQLModel, table=True):
         Index("ix_samples_reward", "run_id", "reward_sort", "id"),
         Index("ix_samples_advantage", "run_id", "advantage", "id"),
         Index("ix_samples_length", "run_id", "completion_length", "id"),
+        Index("ix_samples_tool_calls", "run_id", "tool_calls", "id"),
+        Index("ix_samples_tool_errors", "run_id", "tool_errors", "id"),
+        Index("ix_samples_turns", "run_id", "turns", "id"),
     )
 
     id: int | None = Field(
@@ -126,6 +129,12 @@ class Sample(SQLModel, table=True):
     columns: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     # "train": a rollout the policy was trained on; "eval": a held-out evaluation rollout (advantage 0) (0007)
     split: str = Field(default="train", sa_column=Column(String(8), nullable=False, server_default="train"))
+    # a multi-turn rollout's turns (contract: a rollout row's ``trajectory``, its images by hash, each with its width and
+    # height as stored); None for a row without tools. The counts are the table's filters and sorts (0012).
+    trajectory: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    tool_calls: int = Field(default=0, sa_column=Column(Integer, nullable=False, server_default="0"))
+    tool_errors: int = Field(default=0, sa_column=Column(Integer, nullable=False, server_default="0"))
+    turns: int = Field(default=0, sa_column=Column(Integer, nullable=False, server_default="0"))
 
 
 class Image(SQLModel, table=True):
@@ -143,6 +152,24 @@ class Image(SQLModel, table=True):
 class SampleImage(SQLModel, table=True):
     __tablename__ = "sample_images"
     __table_args__ = (Index("ix_sample_images_sha", "sha256"),)
+
+    sample_id: int = Field(
+        sa_column=Column(
+            BigInteger().with_variant(Integer, "sqlite"), ForeignKey("samples.id", ondelete="CASCADE"), primary_key=True
+        )
+    )
+    position: int = Field(primary_key=True)
+    sha256: str = Field(sa_column=Column(String(64), ForeignKey("images.sha256"), nullable=False))
+
+
+class SampleToolImage(SQLModel, table=True):
+    """A tool's image (a crop) in a rollout row's trajectory: the reference that keeps its ``images`` row while the
+    row names it, as ``sample_images`` does for the row's own images (the trajectory JSON names it by hash too).
+    ``position``: its index over the rollout's images (the row's own first), as a crop's ``source.image`` counts
+    (0012)."""
+
+    __tablename__ = "sample_tool_images"
+    __table_args__ = (Index("ix_sample_tool_images_sha", "sha256"),)
 
     sample_id: int = Field(
         sa_column=Column(

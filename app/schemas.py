@@ -149,6 +149,31 @@ class ImageRef(BaseModel):
     height: int
 
 
+class ImageSource(BaseModel):
+    image: int = Field(
+        description="the image it was cropped from: the row's own images first (0..n-1), then each "
+        "tool image of the trajectory in order of appearance"
+    )
+    bbox_2d: list[float] = Field(description="[x1, y1, x2, y2] in that source image's pixel coordinates")
+
+
+class TrajectoryImageRef(ImageRef):
+    source: ImageSource | None = Field(None, description="where a tool's image came from (a crop's box), if known")
+
+
+class ToolCall(BaseModel):
+    name: str
+    arguments: Any = Field(description="the call's arguments, as the model wrote them (parsed JSON)")
+
+
+class TrajectoryTurn(BaseModel):
+    role: str = Field(description="`assistant` (the model's turn) or `tool` (a tool's answer)")
+    text: str
+    tool_call: ToolCall | None = None
+    images: list[TrajectoryImageRef] = Field(default_factory=list)
+    error: str | None = Field(None, description="the tool's error, when the call failed")
+
+
 class SampleOut(BaseModel):
     id: int
     run_id: str
@@ -178,6 +203,14 @@ class SampleOut(BaseModel):
         description="the dataset row's scalar columns besides the prompt and images (answer, ...); text cut at "
         "1,000 characters",
     )
+    trajectory: list[TrajectoryTurn] = Field(
+        default_factory=list,
+        description="a multi-turn rollout's turns (a run with tools), empty otherwise; `completion` is the final "
+        "assistant text",
+    )
+    tool_calls: int = Field(0, description="the trajectory's assistant turns that call a tool")
+    tool_errors: int = Field(0, description="the trajectory's turns that report a tool error")
+    turns: int = Field(0, description="the trajectory's turns")
 
 
 class SamplePage(BaseModel):
@@ -298,10 +331,26 @@ class RewardInfo(BaseModel):
     doc: str
 
 
+class ToolInfo(BaseModel):
+    name: str
+    kind: Literal["builtin"]
+    doc: str  # the first line of its docstring (the whole docstring is what the model is shown)
+
+
+class ToolsInfo(BaseModel):
+    """The tools a run may name (``tools[].name``) and the environments (``environment``)."""
+
+    builtins: list[ToolInfo]
+    modules: list[str]  # COLLAGE_TOOL_MODULES: the modules whose functions and classes runs may name
+    user_functions: str
+    environments: str
+
+
 class RewardsOut(BaseModel):
     builtins: list[RewardInfo]
     user_functions: str
     text_reward_models: str
+    tools: ToolsInfo
 
 
 class FamilyInfo(BaseModel):

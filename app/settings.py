@@ -39,6 +39,7 @@ ENV_VARS = (
     "COLLAGE_HEARTBEAT_TIMEOUT",
     "COLLAGE_CANCEL_GRACE",
     "COLLAGE_REWARD_MODULES",
+    "COLLAGE_TOOL_MODULES",
     "COLLAGE_DATA_ROOTS",
     "COLLAGE_MODEL_ROOTS",
     "COLLAGE_MAX_EXPORTS",
@@ -121,6 +122,9 @@ class Settings:
     cancel_grace: float = 60.0  # seconds a cancelled run may take to checkpoint before it is killed
     # modules (and their submodules) whose functions API-submitted runs may name as rewards ("module:function")
     reward_modules: tuple[str, ...] = ()
+    # modules (and their submodules) whose functions and classes API-submitted runs may name as tools or as the
+    # environment ("module:function", "module:Class"); a list of its own, never implied by reward_modules
+    tool_modules: tuple[str, ...] = ()
     # local dataset / model folders an API client may name must lie under these (default: COLLAGE_HOME alone)
     data_roots: tuple[Path, ...] = ()
     model_roots: tuple[Path, ...] = ()
@@ -213,6 +217,7 @@ class Settings:
             heartbeat_timeout=float(os.environ.get("COLLAGE_HEARTBEAT_TIMEOUT", 60.0)),
             cancel_grace=float(os.environ.get("COLLAGE_CANCEL_GRACE", 60.0)),
             reward_modules=_names(os.environ.get("COLLAGE_REWARD_MODULES")),
+            tool_modules=_names(os.environ.get("COLLAGE_TOOL_MODULES")),
             data_roots=_paths(os.environ.get("COLLAGE_DATA_ROOTS")),
             model_roots=_paths(os.environ.get("COLLAGE_MODEL_ROOTS")),
             max_exports=int(os.environ.get("COLLAGE_MAX_EXPORTS", 4)),

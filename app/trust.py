@@ -1,7 +1,9 @@
 """What a run config from an API client may make a worker do: the operator's policy (docs/security.md).
 
 - Code: an import-path reward (``module:function``) must name a function of a module the operator allowlists
-  (``Settings.reward_modules``, COLLAGE_REWARD_MODULES); the worker checks again what the import yields.
+  (``Settings.reward_modules``, COLLAGE_REWARD_MODULES); an import-path tool (``module:function``) or environment
+  (``module:Class``) one of a module of the separate tool allowlist (``Settings.tool_modules``,
+  COLLAGE_TOOL_MODULES). The worker checks again what the import yields.
 - Paths: a local model, dataset or reward model must be absolute (or start with ``~``) and lie under the operator's
   roots (COLLAGE_MODEL_ROOTS, COLLAGE_DATA_ROOTS; default COLLAGE_HOME) once ``~``, ``..`` and symlinks are resolved.
   A relative string is a hub id (``org/name``), never a file on the server. Confinement is decided before anything
@@ -20,7 +22,8 @@ from collage.training.config import RunConfig
 from collage.training.confine import folder_escape
 from collage.training.images import resolve_roots
 from collage.training.rewards.builtins import BUILTINS
-from collage.training.rewards.registry import import_path_error
+from collage.training.rewards.registry import IMPORT_PATH, import_path_error
+from collage.training.tools.registry import tool_import_error, tool_name_error
 
 from .settings import Settings
 
@@ -116,6 +119,20 @@ def reward_violation(name: str, settings: Settings) -> str | None:
     return None  # not a reward at all: app.validation says so
 
 
+def tool_violation(name: str, settings: Settings) -> str | None:
+    """Why a ``tools[k].name`` from an API client may not run on a worker, or None: built-ins and import paths
+    inside a module of COLLAGE_TOOL_MODULES (never the standard library or Collage's own stack)."""
+    return tool_name_error(name, settings.tool_modules)
+
+
+def environment_violation(name: str, settings: Settings) -> str | None:
+    """Why an ``environment`` from an API client may not be imported on a worker, or None: an import path
+    ``package.module:Class`` inside a module of COLLAGE_TOOL_MODULES, as for a tool."""
+    if not IMPORT_PATH.match(name):
+        return "an environment is an import path 'package.module:Class'"
+    return tool_import_error(name, settings.tool_modules)
+
+
 def config_violations(config: RunConfig, settings: Settings) -> list[tuple[str, str]]:
     """Every ``(key path, message)`` of ``config`` that the operator's policy refuses; empty when it may run.
 
@@ -137,4 +154,9 @@ def config_violations(config: RunConfig, settings: Settings) -> list[tuple[str, 
     for k, reward in enumerate(config.rewards):
         if (message := reward_violation(reward.name, settings)) is not None:
             errors.append((f"rewards[{k}].name", message))
+    for k, tool in enumerate(config.tools):
+        if (message := tool_violation(tool.name, settings)) is not None:
+            errors.append((f"tools[{k}].name", message))
+    if config.environment is not None and (message := environment_violation(config.environment, settings)) is not None:
+        errors.append(("environment", message))
     return errors

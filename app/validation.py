@@ -1,5 +1,5 @@
-"""Checks of a run config beyond its types: may it run here (app.trust), and do the named rewards, model and
-dataset exist?
+"""Checks of a run config beyond its types: may it run here (app.trust), and do the named rewards, tools, model
+and dataset exist?
 
 Torch-free on purpose: the API runs these on its request path. Hub ids cannot be checked offline, so they are
 accepted when well formed; a local path must lie under the operator's roots (checked first, so that nothing is
@@ -18,7 +18,15 @@ from collage.training.rewards.builtins import BUILTINS
 from collage.training.rewards.registry import IMPORT_PATH
 
 from .settings import Settings, get_settings
-from .trust import dataset_violation, is_local, model_violation, reward_violation, split_violation
+from .trust import (
+    dataset_violation,
+    environment_violation,
+    is_local,
+    model_violation,
+    reward_violation,
+    split_violation,
+    tool_violation,
+)
 
 UNKNOWN_REWARD = (
     "built-ins are {builtins}; a user function is 'package.module:function' from a module the operator "
@@ -69,6 +77,21 @@ def check_reward(name: str, settings: Settings) -> str | None:
     return f"unknown reward {name!r}: " + UNKNOWN_REWARD.format(builtins=", ".join(sorted(BUILTINS)))
 
 
+def tool_errors(tools: object, environment: object, settings: Settings) -> list[tuple[str, str]]:
+    """``tools[k].name`` and ``environment`` against the operator's tool allowlist (COLLAGE_TOOL_MODULES). An
+    allowlisted import path is not imported here: the worker imports it (and checks what it finds), and it may have
+    packages this host lacks. ``tools`` may be raw JSON (a config that failed type validation): entries without a
+    usable name are left to the schema's errors."""
+    errors = []
+    for k, tool in enumerate(tools if isinstance(tools, list) else []):
+        name = tool.get("name") if isinstance(tool, dict) else getattr(tool, "name", None)
+        if isinstance(name, str) and (message := tool_violation(name, settings)) is not None:
+            errors.append((f"tools[{k}].name", message))
+    if isinstance(environment, str) and (message := environment_violation(environment, settings)) is not None:
+        errors.append(("environment", message))
+    return errors
+
+
 def semantic_errors(config: RunConfig, settings: Settings | None = None) -> list[tuple[str, str]]:
     """Every ``(key path, message)`` that keeps ``config`` from running; ``settings`` default to the environment's
     (the API passes its app's)."""
@@ -91,6 +114,7 @@ def semantic_errors(config: RunConfig, settings: Settings | None = None) -> list
     for k, reward in enumerate(config.rewards):
         if (message := check_reward(reward.name, settings)) is not None:
             errors.append((f"rewards[{k}].name", message))
+    errors.extend(tool_errors(config.tools, config.environment, settings))
     return errors
 
 
@@ -141,4 +165,5 @@ def raw_semantic_errors(data: object, settings: Settings | None = None) -> list[
         name = reward.get("name") if isinstance(reward, dict) else None
         if isinstance(name, str) and (message := check_reward(name, settings)) is not None:
             errors.append((f"rewards[{k}].name", message))
+    errors.extend(tool_errors(data.get("tools"), data.get("environment"), settings))
     return errors

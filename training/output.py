@@ -83,7 +83,8 @@ class OutputFolder(Callback):
 
     def _write_samples(self, rows: Sequence[RolloutRow]) -> None:
         for row in rows:
-            for image in row.images:
+            # the row's own images, then its trajectory's (a tool's crops), each once by hash
+            for image in [*row.images, *(im for turn in row.trajectory for im in turn.images)]:
                 path = self.images / f"{image.sha256}.png"
                 if not path.exists():
                     tmp = path.with_suffix(".tmp")

@@ -345,6 +345,7 @@ def _train(attempt: Attempt, config: Any, out: Path, callbacks: list[Callback], 
         callbacks,
         resume=resume,
         reward_modules=settings.reward_modules,  # () allows no module: only built-ins and operator paths
+        tool_modules=settings.tool_modules,  # () allows no module: only the built-in tools
         data_roots=settings.allowed_data_roots(),  # image paths inside rows stay under the operator's roots
     )
     try:

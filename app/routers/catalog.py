@@ -1,4 +1,4 @@
-"""What can be chosen in a run config: rewards and models."""
+"""What can be chosen in a run config: rewards, tools and models."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from fastapi import APIRouter, Depends
 
 from collage.training.models.families import FAMILIES, TINY_FAMILIES
 from collage.training.rewards.builtins import BUILTINS
+from collage.training.tools.image_tools import BUILTIN_TOOLS
 
 from ..auth import UNAUTHORIZED, require_token
 from ..deps import SettingsDep
-from ..schemas import FamilyInfo, ModelsOut, RewardInfo, RewardsOut
+from ..schemas import FamilyInfo, ModelsOut, RewardInfo, RewardsOut, ToolInfo, ToolsInfo
 from ..trust import confined
 
 router = APIRouter(tags=["catalog"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
@@ -31,6 +32,26 @@ def rewards(settings: SettingsDep) -> RewardsOut:
         "completion_ids, images and every dataset column; returns one float or None per sample",
         text_reward_models="the absolute path of a sequence-classification checkpoint folder under the model roots "
         f"({roots}); cannot see images (on_images_for_text_reward: error | drop)",
+        tools=tools_info(settings.tool_modules),
+    )
+
+
+def tools_info(tool_modules: tuple[str, ...]) -> ToolsInfo:
+    """The built-in tools (each with the first line of its docstring) and what the operator's COLLAGE_TOOL_MODULES
+    lets a run name as a tool or as its environment."""
+    modules = ", ".join(tool_modules) or "none: the operator has allowlisted no module"
+    return ToolsInfo(
+        builtins=[
+            ToolInfo(name=n, kind="builtin", doc=(inspect.getdoc(fn) or "").partition("\n")[0])
+            for n, fn in sorted(BUILTIN_TOOLS.items())
+        ],
+        modules=list(tool_modules),
+        user_functions="'package.module:function', a function with type hints and a docstring (Args: for each "
+        f"parameter) defined in a module the operator allowlists (COLLAGE_TOOL_MODULES, not the reward list; here: "
+        f"{modules}) and importable on the worker; called with the model's arguments, plus images (the rollout's "
+        "images so far), row (the dataset row) and its tools[].args when it declares them",
+        environments="'package.module:Class' from the same allowlisted modules: one instance per rollout, reset(row) "
+        "starts it and its public methods are tools",
     )
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import HTTPException
 from sqlmodel import Session
 
 from ..models import Run, Sample
-from ..schemas import ImageRef, Progress, RunOut, SampleOut
+from ..schemas import ImageRef, Progress, RunOut, SampleOut, TrajectoryImageRef, TrajectoryTurn
 from ..store.queries import best_model_metric
 
 API = "/api/v1"
@@ -31,6 +33,21 @@ def image_ref(sha: str, width: int, height: int) -> ImageRef:
         width=width,
         height=height,
     )
+
+
+def trajectory_out(turns: list[dict[str, Any]] | None) -> list[TrajectoryTurn]:
+    """A stored trajectory (its images by hash, with their sizes) as the API's turns, each image with its URLs."""
+    out = []
+    for turn in turns or []:
+        images = [
+            TrajectoryImageRef(
+                **image_ref(im["sha256"], im["width"], im["height"]).model_dump(), source=im.get("source")
+            )
+            for im in turn.get("images") or []
+        ]
+        out.append(TrajectoryTurn(role=turn["role"], text=turn["text"], tool_call=turn.get("tool_call"), images=images,
+                                  error=turn.get("error")))  # fmt: skip
+    return out
 
 
 def run_out(
@@ -90,6 +107,10 @@ def sample_out(sample: Sample, shas: list[str], sizes: dict[str, tuple[int, int]
         dataset_row=sample.dataset_row,
         split=sample.split,
         columns=sample.columns or {},
+        trajectory=trajectory_out(sample.trajectory),
+        tool_calls=sample.tool_calls,
+        tool_errors=sample.tool_errors,
+        turns=sample.turns,
     )
 
 

@@ -63,6 +63,17 @@ def sample_filters(
         Split,
         Query(description="train: the rollouts trained on (default); eval: the held-out evaluation rollouts"),
     ] = "train",
+    min_tool_calls: Annotated[
+        int | None, Query(ge=0, le=INT_MAX, description="a multi-turn rollout's tool calls, at least")
+    ] = None,
+    max_tool_calls: Annotated[
+        int | None, Query(ge=0, le=INT_MAX, description="a multi-turn rollout's tool calls, at most")
+    ] = None,
+    has_tool_error: Annotated[
+        bool | None, Query(description="true: only rows where a tool reported an error; false: none")
+    ] = None,
+    min_turns: Annotated[int | None, Query(ge=0, le=INT_MAX, description="the trajectory's turns, at least")] = None,
+    max_turns: Annotated[int | None, Query(ge=0, le=INT_MAX, description="the trajectory's turns, at most")] = None,
 ) -> queries.SampleFilters:
     """The rollout table's filters, the same for a page of rows and for their count."""
     return queries.SampleFilters(
@@ -81,6 +92,11 @@ def sample_filters(
         dataset_row,
         group,
         split,
+        min_tool_calls=min_tool_calls,
+        max_tool_calls=max_tool_calls,
+        has_tool_error=has_tool_error,
+        min_turns=min_turns,
+        max_turns=max_turns,
     )
 
 
@@ -96,9 +112,11 @@ def list_samples(
     sort: Annotated[
         str,
         Query(
-            pattern=r"^[-+]?(step|reward|advantage|completion_length|group|num_images|id|reward\.[^\x00-\x1f]{1,200})$",
+            pattern=r"^[-+]?(step|reward|advantage|completion_length|group|num_images|tool_calls|tool_errors|turns|id"
+            r"|reward\.[^\x00-\x1f]{1,200})$",
             description="column, prefix - for descending: step, reward, advantage, completion_length, group, "
-            "num_images, id, or reward.<function> (one reward function of the run's config; unscorable rows lowest)",
+            "num_images, tool_calls, tool_errors, turns, id, or reward.<function> (one reward function of the run's "
+            "config; unscorable rows lowest)",
         ),
     ] = "step",
     cursor: Annotated[str | None, Query(max_length=500)] = None,
@@ -158,7 +176,7 @@ def check_reward_names(config: dict | None, sort: str, reward_name: str | None) 
 SAMPLE_COLUMNS = [
     "run_id", "step", "group", "index", "prompt", "completion", "images", "rewards", "reward", "advantage",
     "completion_length", "truncated", "num_images", "group_mean", "group_std", "zero_std", "dataset_row", "columns",
-    "split",
+    "split", "trajectory", "tool_calls", "tool_errors", "turns",
 ]  # fmt: skip
 
 
@@ -184,6 +202,11 @@ def _sample_records(engine: Engine, run_id: str, split: str):
             "dataset_row": row.dataset_row,
             "columns": row.columns or {},  # the dataset row's scalar columns (JSON text in CSV and Parquet)
             "split": row.split,
+            # a multi-turn rollout's turns, images by SHA-256 as above (JSON text in CSV and Parquet); [] without tools
+            "trajectory": row.trajectory or [],
+            "tool_calls": row.tool_calls,
+            "tool_errors": row.tool_errors,
+            "turns": row.turns,
         }
 
 
@@ -239,6 +262,7 @@ def _parquet(records, what: str):
                     r["prompt"] = json.dumps(r["prompt"])
                     r["rewards"] = json.dumps(r["rewards"])
                     r["columns"] = json.dumps(r["columns"])
+                    r["trajectory"] = json.dumps(r["trajectory"])
             table = pa.Table.from_pylist(batch, schema=writer.schema if writer else None)
             if writer is None:
                 writer = pq.ParquetWriter(spool, table.schema)

@@ -50,7 +50,7 @@
     const out = { algorithm: algorithm() };
     for (const input of form.querySelectorAll("[name]")) {
       const path = input.name;
-      if (path === "algorithm" || path.startsWith("reward.")) continue;
+      if (path === "algorithm" || path.startsWith("reward.") || path.startsWith("tool.")) continue;
       if (path.startsWith("model.lora.") && !document.getElementById("lora-on").checked) continue;
       if (SYNTH_ONLY.includes(path) && !isSynth()) continue;
       const field = input.closest("[data-algorithm], [data-loss-types]");
@@ -67,7 +67,43 @@
       if (mode !== "error") entry.on_images_for_text_reward = mode;
       return entry;
     });
+    out.tools = tools();
     return out;
+  }
+
+  // the tools list: each checked built-in (image_zoom_in with the coords setting), then each import path of "your
+  // tools"; the error slot of entry k (tools[k].name) is at the input that made it. A clone keeps the timeout and
+  // args of the tools it had (the form has no field for them)
+  let keptTools = {};
+  const importsInput = document.getElementById("tool-imports");
+
+  function tools() {
+    const coords = form.querySelector('[name="tool.coords"]').value;
+    const entries = [];
+    for (const box of form.querySelectorAll('[name="tool.builtin"]')) {
+      const slot = form.querySelector(`[data-tool="${CSS.escape(box.value)}"]`);
+      if (!box.checked) { slot.removeAttribute("data-error-for"); slot.textContent = ""; continue; }
+      slot.dataset.errorFor = `tools[${entries.length}].name`;
+      entries.push({ ...keptTools[box.value], name: box.value, ...(box.value === "image_zoom_in" ? { coords } : {}) });
+    }
+    const names = importsInput.value.split(",").map(s => s.trim()).filter(Boolean);
+    const wanted = names.map((_, i) => `tools[${entries.length + i}].name`);
+    const field = importsInput.closest(".field");
+    const slots = [...field.querySelectorAll(".error[data-import]")];
+    if (slots.map(s => s.dataset.errorFor).join() !== wanted.join()) {
+      for (const slot of slots) slot.remove();
+      field.append(...wanted.map(path => el("span", { class: "error", "data-import": true, "data-error-for": path, "data-control": "tool-imports" })));
+    }
+    for (const name of names) entries.push({ ...keptTools[name], name });
+    return entries;
+  }
+
+  function fillTools(list) {
+    keptTools = Object.fromEntries(list.map(t => [t.name, t]));
+    const builtins = [...form.querySelectorAll('[name="tool.builtin"]')];
+    for (const box of builtins) box.checked = box.value in keptTools;
+    if (keptTools.image_zoom_in?.coords) form.querySelector('[name="tool.coords"]').value = keptTools.image_zoom_in.coords;
+    importsInput.value = list.map(t => t.name).filter(n => !builtins.some(b => b.value === n)).join(", ");
   }
 
   // a reward row has three inputs: each error slot names the one input its error is about (data-control), so
@@ -338,6 +374,7 @@
     form.querySelector('[name="name"]').value = cfg.name + "-clone";
     rewardsBox.replaceChildren();
     for (const r of cfg.rewards) addReward(r.name, r.weight, r.on_images_for_text_reward || "error");
+    fillTools(cfg.tools || []);
     showAlgorithmFields();
     showSourceFields();
   }

@@ -5,7 +5,10 @@
 // by side, ranked by reward); live: new steps are announced, never pushed under the reader; every filter and the
 // sort live in the URL query under the API's own parameter names; a split selector shows the training rollouts
 // or the held-out evaluation's (split=eval: the table, count, group view, gallery and exports follow it); the step
-// slider walks the steps that have rows of the chosen split. Untrusted text is only ever shown as text.
+// slider walks the steps that have rows of the chosen split; a multi-turn rollout's trajectory turn by turn (the
+// model's text and tool calls, each tool's images beside the thumbnail they were cropped from with the crop's box
+// drawn on it, tool errors), and in the group view where each completion zoomed. Untrusted text is only ever shown
+// as text.
 (() => {
   const { api, el, num, promptNode } = Collage;
   const ENDED = ["succeeded", "failed", "cancelled", "deleted"];
@@ -78,7 +81,7 @@
   }
 
   // "1 row", "2 rows", "1,234 rows"
-  const plural = (n, word) => `${n.toLocaleString("en")} ${word}${n === 1 ? "" : "s"}`;
+  const plural = (n, word, words = word + "s") => `${n.toLocaleString("en")} ${n === 1 ? word : words}`;
 
   // The slider's positions: every step (0), then each step that has rows of the split shown. A step from a link
   // that has none keeps a position of its own (the table says it has no rows), as a select keeps an unknown value.
@@ -179,6 +182,111 @@
       el("button", { type: "button", class: "link open-group", text: "view group side by side", onclick: () => openGroup(s.step, s.group) })));
   }
 
+  // ------------------------------------------------------------------------------------------ trajectories
+
+  // Every image of a rollout in the order a tool's `source.image` numbers them: the row's own images first, then
+  // each tool image of its trajectory, turn by turn.
+  function rolloutImages(s) {
+    return [...s.images, ...(s.trajectory || []).flatMap(t => t.images || [])];
+  }
+
+  // A box [x1, y1, x2, y2] in an image's pixels, placed on its shown thumbnail: percentages of the image's own
+  // width and height, so the box scales with the thumbnail whatever size it is shown at (clamped to the image).
+  function placeBox(node, box, width, height) {
+    const clamp = (v, of) => Math.max(0, Math.min(of, Number(v)));
+    const [x1, y1, x2, y2] = [clamp(box[0], width), clamp(box[1], height), clamp(box[2], width), clamp(box[3], height)];
+    node.style.left = `${(100 * Math.min(x1, x2)) / width}%`;
+    node.style.top = `${(100 * Math.min(y1, y2)) / height}%`;
+    node.style.width = `${(100 * Math.abs(x2 - x1)) / width}%`;
+    node.style.height = `${(100 * Math.abs(y2 - y1)) / height}%`;
+    return node;
+  }
+
+  const validBox = b => Array.isArray(b) && b.length === 4 && b.every(v => Number.isFinite(Number(v)));
+  const boxText = b => `[${b.map(v => String(Math.round(Number(v) * 10) / 10)).join(", ")}]`;
+
+  // A source image's thumbnail with boxes drawn on it: boxes [{box, label, id, title}] in the image's pixels.
+  function boxFrame(image, index, boxes, onOpen) {
+    const frame = el("span", { class: "box-frame", "data-image": index },
+      el("img", { src: image.thumb_url, class: "source-thumb", alt: `image ${index} (${image.width}x${image.height})`,
+        loading: "lazy", tabindex: "0", onclick: onOpen, onkeydown: e => { if (e.key === "Enter" && onOpen) onOpen(); } }));
+    for (const b of boxes) {
+      if (!validBox(b.box) || !(image.width > 0) || !(image.height > 0)) continue;
+      frame.append(placeBox(el("span", { class: "crop-box", "data-bbox": b.box.join(","), "data-id": b.id, title: b.title },
+        b.label ? el("span", { class: "crop-box-label", text: b.label }) : null), b.box, image.width, image.height));
+    }
+    return frame;
+  }
+
+  // One tool image: its thumbnail, and when it is a crop, the thumbnail of the image it was cropped from with the
+  // crop's box on it. `index`: its place among the rollout's images (`all`).
+  function toolImage(image, index, all) {
+    const src = image.source;
+    const from = src && Number.isInteger(src.image) && src.image >= 0 && src.image < all.length && src.image !== index ? all[src.image] : null;
+    const open = k => () => gallery(all, k);
+    const caption = `image ${index} · ${image.width}x${image.height}`
+      + (src ? ` · cropped from image ${src.image}` + (validBox(src.bbox_2d) ? ` at ${boxText(src.bbox_2d)}` : "") : "");
+    return el("figure", { class: "tool-image" + (from ? " crop" : ""), "data-image": index },
+      el("div", { class: "tool-image-pair" },
+        el("img", { src: image.thumb_url, class: "crop-thumb", alt: `image ${index}: ${from ? `crop of image ${src.image}` : "a tool's image"}`,
+          loading: "lazy", tabindex: "0", onclick: open(index), onkeydown: e => { if (e.key === "Enter") open(index)(); } }),
+        from ? boxFrame(from, src.image, [{ box: src.bbox_2d, title: `the crop's box ${boxText(src.bbox_2d)} on image ${src.image}` }], open(src.image)) : null),
+      el("figcaption", { class: "muted", text: caption }));
+  }
+
+  const trajectorySummary = s => `${plural(s.turns, "turn")} · ${plural(s.tool_calls, "tool call")}`
+    + (s.tool_errors ? ` · ${plural(s.tool_errors, "tool error")}` : "");
+
+  // A multi-turn rollout turn by turn, folded under a summary: the model's text and its tool call (name and
+  // arguments), each tool's answer with its images and its error. Null for a rollout without tools.
+  function trajectoryNode(s, open = false) {
+    const turns = s.trajectory || [];
+    if (!turns.length) return null;
+    const all = rolloutImages(s);
+    let at = s.images.length;  // the rollout's index of the next tool image
+    const items = turns.map((t, k) => {
+      const tool = t.role === "tool";
+      const images = (t.images || []).map(image => toolImage(image, at++, all));
+      return el("li", { class: `turn turn-${tool ? "tool" : "assistant"}` + (t.error ? " has-error" : ""), "data-turn": k },
+        el("span", { class: "turn-role", text: tool ? "tool" : t.role }),
+        t.text ? el("pre", { class: "turn-text", text: t.text }) : null,
+        t.tool_call ? el("div", { class: "tool-call" }, "calls ", el("code", { class: "tool-name", text: String(t.tool_call.name) }),
+          el("code", { class: "tool-args", text: JSON.stringify(t.tool_call.arguments ?? null) })) : null,
+        images.length ? el("div", { class: "turn-images" }, images) : null,
+        t.error ? el("p", { class: "tool-error", role: "note" }, el("b", { text: "tool error: " }), t.error) : null);
+    });
+    return el("details", { class: "trajectory", open },
+      el("summary", { text: `trajectory: ${trajectorySummary(s)}` }), el("ol", { class: "turns" }, items));
+  }
+
+  // the counts beside the completion, a tool error flagged without opening the trajectory
+  function toolBadges(s) {
+    if (!s.turns) return null;
+    return [el("span", { class: "badge tools", text: plural(s.tool_calls, "tool call") }),
+      s.tool_errors ? el("span", { class: "badge tool-errors", text: plural(s.tool_errors, "tool error") }) : null];
+  }
+
+  // The group view's "who zoomed where": each of the prompt's images with every completion's boxes on it (a box is
+  // labelled with the completion's rank); crops of a tool's own image are in that completion's trajectory.
+  function zoomMap(prompt, items) {
+    const n = prompt.images.length;
+    const boxes = prompt.images.map(() => []);
+    items.forEach((s, rank) => {
+      for (const t of s.trajectory || []) for (const image of t.images || []) {
+        const src = image.source;
+        if (src && Number.isInteger(src.image) && src.image >= 0 && src.image < n && validBox(src.bbox_2d)) {
+          boxes[src.image].push({ box: src.bbox_2d, label: `#${rank + 1}`, id: s.id, title: `#${rank + 1} (completion ${s.index}): ${boxText(src.bbox_2d)}` });
+        }
+      }
+    });
+    if (!boxes.some(b => b.length)) return null;
+    return el("div", { class: "zoom-map" },
+      el("h3", { text: "where each completion zoomed" }),
+      el("div", { class: "zoom-map-images" }, prompt.images.map((image, k) => el("figure", {},
+        boxFrame(image, k, boxes[k], () => gallery(prompt.images, k)),
+        el("figcaption", { class: "muted", text: `image ${k} · ${plural(boxes[k].length, "box", "boxes")}` })))));
+  }
+
   // each number cell carries its column's name (data-label): on a narrow screen a row is a card and says it
   function sampleRow(s) {
     return el("tr", { class: "sample" + (isEval(s) ? " eval" : ""), "data-id": s.id, "data-split": s.split },
@@ -188,7 +296,7 @@
       el("td", { class: "prompt-cell" }, promptNode(s.prompt, s.images)),
       el("td", { class: "completion-cell" }, el("pre", { class: "completion", text: s.completion }), s.truncated ? el("span", { class: "badge", text: "truncated" }) : null,
         s.completion_length === null || s.completion_length === undefined ? null : el("small", { class: "muted tokens", text: ` ${plural(s.completion_length, "token")}` }),
-        columnsNode(s.columns)),
+        toolBadges(s), trajectoryNode(s), columnsNode(s.columns)),
       rewardNames.map(n => el("td", { class: "num", "data-reward": n, "data-label": n, text: num(s.rewards[n]) })),
       el("td", { class: "num total", "data-label": "reward", text: num(s.reward) }),
       isEval(s) ? el("td", { class: "num advantage", "data-label": "advantage", title: "evaluation rollouts are not trained on: no advantage", text: "–" })
@@ -352,11 +460,13 @@
         first.zero_std && !ev ? el("span", { class: "badge", text: "zero variance: no learning signal" }) : null),
       el("div", { class: "group-prompt" },
         el("div", { class: "thumbs" }, thumbs(first.images)), promptNode(first.prompt, first.images), columnsNode(first.columns)),
+      zoomMap(first, items),
       el("div", { class: "group-completions" }, items.map((s, rank) => el("article", { class: "group-completion adv-edge-" + advClass(s.advantage), "data-id": s.id },
         el("header", {}, el("b", { text: `#${rank + 1}` }), el("span", { class: "muted", text: ` completion ${s.index}`
           + (s.completion_length === null || s.completion_length === undefined ? "" : ` · ${plural(s.completion_length, "token")}`) }),
           s.truncated ? el("span", { class: "badge", text: "truncated" }) : null),
         el("pre", { class: "completion", text: s.completion }),
+        toolBadges(s), trajectoryNode(s),
         rewardList(s)))));
   }
 

@@ -255,6 +255,9 @@ SORTS = {
     "completion_length": col(Sample.completion_length),
     "group": col(Sample.group),
     "num_images": col(Sample.num_images),
+    "tool_calls": col(Sample.tool_calls),
+    "tool_errors": col(Sample.tool_errors),
+    "turns": col(Sample.turns),
     "id": col(Sample.id),
 }
 
@@ -276,6 +279,12 @@ class SampleFilters:
     dataset_row: int | None = None
     group: int | None = None
     split: str = "train"  # train | eval: training rollouts, or held-out evaluation rollouts (never both at once)
+    # a multi-turn rollout's trajectory: its tool calls, whether a tool reported an error, its turns
+    min_tool_calls: int | None = None
+    max_tool_calls: int | None = None
+    has_tool_error: bool | None = None
+    min_turns: int | None = None
+    max_turns: int | None = None
 
 
 SPLITS = ("train", "eval")
@@ -376,6 +385,18 @@ def _apply_filters(stmt: _Select, f: SampleFilters, dialect: str) -> _Select:
         stmt = stmt.where(col(Sample.num_images) >= f.min_images)
     if f.max_images is not None:
         stmt = stmt.where(col(Sample.num_images) <= f.max_images)
+    if f.min_tool_calls is not None:
+        stmt = stmt.where(col(Sample.tool_calls) >= f.min_tool_calls)
+    if f.max_tool_calls is not None:
+        stmt = stmt.where(col(Sample.tool_calls) <= f.max_tool_calls)
+    if f.has_tool_error is True:
+        stmt = stmt.where(col(Sample.tool_errors) > 0)
+    elif f.has_tool_error is False:
+        stmt = stmt.where(col(Sample.tool_errors) == 0)
+    if f.min_turns is not None:
+        stmt = stmt.where(col(Sample.turns) >= f.min_turns)
+    if f.max_turns is not None:
+        stmt = stmt.where(col(Sample.turns) <= f.max_turns)
     if f.q:
         like = f"%{_escape_like(f.q)}%"
         stmt = stmt.where(

@@ -39,6 +39,7 @@ from ..models import (
     RunTag,
     Sample,
     SampleImage,
+    SampleToolImage,
     utcnow,
 )  # fmt: skip
 from . import rollups
@@ -94,6 +95,9 @@ class SampleIn:
     # the dataset row's scalar columns besides the prompt and images; kept as training.callbacks.scalar_columns says
     columns: Mapping[str, Any] | None = None
     split: str = "train"  # or "eval": a held-out evaluation rollout
+    # a multi-turn rollout's turns (training.callbacks.TrajectoryTurn fits: role, text, tool_call, images, sources,
+    # error; an image needs only ``png``, and ``sha256`` when known); empty for a row without tools
+    trajectory: Sequence[Any] = ()
 
 
 SPLITS = ("train", "eval")
@@ -131,14 +135,96 @@ def _first_nul_count(session: Session, run_id: str) -> bool:
     return found is None
 
 
-def _sample_row(run_id: str, step: int, row: Any, shas: list[str]) -> tuple[dict[str, Any], int]:
-    """The ``samples`` row of one rollout row, its text cleaned, and how many NUL characters the cleaning replaced."""
+def _source(value: Any) -> dict[str, Any] | None:
+    """A tool image's source as the contract has it, ``{"image": k, "bbox_2d": [x1, y1, x2, y2]}``; None for
+    anything else (a box that is not four finite numbers, an index that is not a whole number >= 0): the row and
+    the image are kept, the box is not drawn."""
+    if not isinstance(value, Mapping):
+        return None
+    image, box = value.get("image"), value.get("bbox_2d")
+    if not isinstance(image, int) or isinstance(image, bool) or image < 0 or not isinstance(box, Sequence):
+        return None
+    if len(box) != 4 or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in box):
+        return None
+    if not all(math.isfinite(v) for v in box):
+        return None
+    return {"image": image, "bbox_2d": [v if isinstance(v, int) else float(v) for v in box]}
+
+
+def _tool_call(value: Any) -> tuple[dict[str, Any] | None, int]:
+    """A tool call as the contract has it, ``{"name", "arguments"}``, cleaned; a call that is not a mapping keeps
+    its text as the name (shown, never lost)."""
+    if value is None:
+        return None, 0
+    if not isinstance(value, Mapping):
+        name, n = clean_text(str(value))
+        return {"name": name, "arguments": None}, n
+    name, n_name = clean_text(str(value.get("name", "")))
+    arguments, n_arguments = clean_json(value.get("arguments"))
+    return {"name": name, "arguments": arguments}, n_name + n_arguments
+
+
+def _trajectory_json(
+    row: Any, turn_shas: list[list[str]], sizes: Mapping[str, tuple[int, int]]
+) -> tuple[list[dict[str, Any]], int]:
+    """The contract's turns of a rollout row's trajectory (``turn_shas``: each turn's image hashes, as written; the
+    width and height are the stored image's), cleaned, and how many NUL characters the cleaning replaced."""
+    turns: list[dict[str, Any]] = []
+    nuls = 0
+    for turn, shas in zip(getattr(row, "trajectory", None) or (), turn_shas, strict=True):
+        text, n = clean_text(str(getattr(turn, "text", "") or ""))
+        nuls += n
+        out: dict[str, Any] = {"role": str(getattr(turn, "role", "assistant")), "text": text}
+        tool_call, n = _tool_call(getattr(turn, "tool_call", None))
+        nuls += n
+        if tool_call is not None:
+            out["tool_call"] = tool_call
+        if shas:
+            sources = list(getattr(turn, "sources", None) or ())
+            sources += [None] * (len(shas) - len(sources))
+            images = []
+            for sha, source in zip(shas, sources, strict=False):
+                width, height = sizes[sha]
+                image: dict[str, Any] = {"sha256": sha, "width": width, "height": height}
+                if (found := _source(source)) is not None:
+                    image["source"] = found
+                images.append(image)
+            out["images"] = images
+        error = getattr(turn, "error", None)
+        if error is not None:
+            out["error"], n = clean_text(str(error))
+            nuls += n
+        turns.append(out)
+    return turns, nuls
+
+
+def trajectory_counts(turns: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The rollout table's counts of a trajectory: its tool calls (assistant turns that call a tool), the turns that
+    report a tool error, and its turns."""
+    return {
+        "tool_calls": sum(1 for t in turns if t.get("role") == "assistant" and t.get("tool_call") is not None),
+        "tool_errors": sum(1 for t in turns if t.get("error") is not None),
+        "turns": len(turns),
+    }
+
+
+def _sample_row(
+    run_id: str,
+    step: int,
+    row: Any,
+    shas: list[str],
+    turn_shas: list[list[str]] | None = None,
+    sizes: Mapping[str, tuple[int, int]] | None = None,
+) -> tuple[dict[str, Any], int]:
+    """The ``samples`` row of one rollout row, its text cleaned, and how many NUL characters the cleaning replaced
+    (``turn_shas``: the hashes of its trajectory's images, turn by turn; ``sizes``: their width and height)."""
     reward = _clean(row.reward)
     std = _clean(row.group_std)
     prompt, n_prompt = clean_json(row.prompt)
     completion, n_completion = clean_text(row.completion)
     rewards, n_rewards = clean_json({k: _clean(v) for k, v in row.rewards.items()})
     columns, n_columns = clean_json(scalar_columns(getattr(row, "columns", None)))
+    trajectory, n_trajectory = _trajectory_json(row, turn_shas or [], sizes or {})
     sample = {
         "run_id": run_id,
         "step": step,
@@ -160,13 +246,21 @@ def _sample_row(run_id: str, step: int, row: Any, shas: list[str]) -> tuple[dict
         "dataset_row": getattr(row, "dataset_row", getattr(row, "row", None)),
         "columns": columns or None,
         "split": _split_of(row),
+        "trajectory": trajectory or None,
+        **trajectory_counts(trajectory),
     }
-    return sample, n_prompt + n_completion + n_rewards + n_columns
+    return sample, n_prompt + n_completion + n_rewards + n_columns + n_trajectory
 
 
-def _insert_samples(session: Session, sample_rows: list[dict[str, Any]], per_row: list[list[str]]) -> None:
+def _insert_samples(
+    session: Session,
+    sample_rows: list[dict[str, Any]],
+    per_row: list[list[str]],
+    per_turn: list[list[list[str]]] | None = None,
+) -> None:
     """Insert the rows and the links to their images, in order (``sort_by_parameter_order``: the ids come back in
-    the order the rows went in, so each row gets its own images)."""
+    the order the rows went in, so each row gets its own images), and the links to their trajectories' tool images
+    (``per_turn``: each row's, turn by turn), numbered over the rollout after the row's own."""
     result = session.execute(
         insert(table_of(Sample)).returning(table_of(Sample).c.id, sort_by_parameter_order=True), sample_rows
     )
@@ -178,6 +272,13 @@ def _insert_samples(session: Session, sample_rows: list[dict[str, Any]], per_row
     ]
     if links:
         session.execute(insert(table_of(SampleImage)), links)
+    tool_links = [
+        {"sample_id": sid, "position": len(shas) + pos, "sha256": sha}
+        for sid, shas, turns in zip(ids, per_row, per_turn or [[] for _ in ids], strict=True)
+        for pos, sha in enumerate(sha for turn in turns for sha in turn)
+    ]
+    if tool_links:
+        session.execute(insert(table_of(SampleToolImage)), tool_links)
 
 
 class StaleAttempt(WebError):
@@ -345,6 +446,7 @@ class StoreWriter:
         def write(session: Session) -> None:
             ids = select(col(Sample.id)).where(col(Sample.run_id) == run_id, col(Sample.step) > resumed_from_step)
             session.execute(delete(SampleImage).where(col(SampleImage.sample_id).in_(ids)))
+            session.execute(delete(SampleToolImage).where(col(SampleToolImage.sample_id).in_(ids)))
             session.execute(delete(Sample).where(col(Sample.run_id) == run_id, col(Sample.step) > resumed_from_step))
             rollups.truncate(session, run_id, resumed_from_step)
             session.execute(
@@ -456,11 +558,12 @@ class StoreWriter:
     def append_samples(self, run_id: str, step: int, rows: Iterable[Any]) -> int:
         """Write one step's rollout rows with their images in one transaction; returns the row count."""
         rows = list(rows)
-        image_rows, per_row = self._store_images(rows)
+        image_rows, per_row, per_turn = self._store_images(rows)
+        sizes = {im["sha256"]: (im["width"], im["height"]) for im in image_rows}
         sample_rows = []
-        nuls = 0  # NUL characters replaced in this step's text (completions, prompts, columns, reward names)
-        for row, shas in zip(rows, per_row, strict=True):
-            sample, n = _sample_row(run_id, step, row, shas)
+        nuls = 0  # NUL characters replaced in this step's text (completions, prompts, columns, reward names, turns)
+        for row, shas, turn_shas in zip(rows, per_row, per_turn, strict=True):
+            sample, n = _sample_row(run_id, step, row, shas, turn_shas, sizes)
             sample_rows.append(sample)
             nuls += n
         splits = sorted({row["split"] for row in sample_rows})
@@ -477,7 +580,7 @@ class StoreWriter:
                 )
             )
             if sample_rows:
-                _insert_samples(session, sample_rows, per_row)
+                _insert_samples(session, sample_rows, per_row, per_turn)
             if nuls and _first_nul_count(
                 session, run_id
             ):  # once per run: later steps' counts are the metric, not more warnings
@@ -491,18 +594,23 @@ class StoreWriter:
             self.append_metrics(run_id, step, {NUL_METRIC: float(nuls)})
         return len(sample_rows)
 
-    def _store_images(self, rows: list[Any]) -> tuple[list[dict[str, Any]], list[list[str]]]:
-        """Write the rows' images under the artifacts (before the transaction: a file is never half there) and
-        return the ``images`` rows of the distinct ones and each row's hashes, in order."""
+    def _store_images(self, rows: list[Any]) -> tuple[list[dict[str, Any]], list[list[str]], list[list[list[str]]]]:
+        """Write the rows' images and their trajectories' (tool) images under the artifacts (before the transaction:
+        a file is never half there), each distinct image once, and return the ``images`` rows of the distinct ones,
+        each row's hashes in order, and each row's trajectory images' hashes, turn by turn."""
         images: dict[str, tuple[bytes, str]] = {}
+
+        def store(image: Any) -> str:
+            sha, rel = write_image(self.artifacts, image.png, getattr(image, "sha256", None), self.mirror)
+            images.setdefault(sha, (image.png, rel))
+            return sha
+
         per_row: list[list[str]] = []
+        per_turn: list[list[list[str]]] = []
         for row in rows:
-            shas = []
-            for image in row.images:
-                sha, rel = write_image(self.artifacts, image.png, getattr(image, "sha256", None), self.mirror)
-                images.setdefault(sha, (image.png, rel))
-                shas.append(sha)
-            per_row.append(shas)
+            per_row.append([store(image) for image in row.images])
+            turns = getattr(row, "trajectory", None) or ()
+            per_turn.append([[store(image) for image in (getattr(turn, "images", None) or ())] for turn in turns])
         image_rows = []
         for sha, (png, rel) in images.items():
             width, height, fmt = image_info(png)
@@ -510,7 +618,7 @@ class StoreWriter:
                 {"sha256": sha, "width": width, "height": height, "format": fmt, "size_bytes": len(png), "path": rel,
                  "created_at": utcnow()}
             )  # fmt: skip
-        return image_rows, per_row
+        return image_rows, per_row, per_turn
 
     # ---------------------------------------------------------- checkpoints
     def add_checkpoint(
@@ -560,6 +668,7 @@ class StoreWriter:
             # children first: SQLite enforces the cascades, but deleting explicitly keeps it one fast statement each
             sample_ids = select(col(Sample.id)).where(col(Sample.run_id) == run_id)
             session.execute(delete(SampleImage).where(col(SampleImage.sample_id).in_(sample_ids)))
+            session.execute(delete(SampleToolImage).where(col(SampleToolImage.sample_id).in_(sample_ids)))
             for table in (Sample, Metric, MetricRollup, Event, Checkpoint, RunTag):
                 session.execute(delete(table).where(col(table.run_id) == run_id))
             session.execute(update(Run).where(col(Run.parent_id) == run_id).values(parent_id=None))

@@ -69,6 +69,11 @@ FORM: dict[str, str] = {
     "train.num_iterations": "int",
     "train.steps_per_generation": "optional-int",
     "train.mask_truncated_completions": "bool",
+    "train.max_tool_calling_iterations": "int",
+    "train.eval_max_tool_calling_iterations": "optional-int",
+    "train.max_images_per_rollout": "int",
+    "train.mask_capped_trajectories": "bool",
+    "environment": "optional-text",
     "train.gradient_checkpointing": "bool",
     "train.seed": "int",
     "train.save_steps": "int",
@@ -130,6 +135,19 @@ EVAL_SECTION = {
         "eval_pass_threshold",
     )
 }
+# the multi-turn rollouts' keys get their own group ("tools" section), beside the tools themselves (:func:`tool_form`)
+TOOLS_SECTION = {
+    "environment",
+    *(
+        f"train.{key}"
+        for key in (
+            "max_tool_calling_iterations",
+            "eval_max_tool_calling_iterations",
+            "max_images_per_rollout",
+            "mask_capped_trajectories",
+        )
+    ),
+}
 # keys whose default depends on the algorithm: the form leaves them empty (= that algorithm's default)
 ALGORITHM_DEFAULTED = {f"train.{key}" for defaults in config.ALGORITHM_DEFAULTS.values() for key in defaults}
 
@@ -179,11 +197,13 @@ def gpus_default(workers: list[dict[str, Any]], queue: str | None = None) -> int
 
 
 def _section(path: str) -> str:
-    """The form's card of a field: loss, eval, or its config section (run for the top-level keys)."""
+    """The form's card of a field: loss, eval, tools, or its config section (run for the other top-level keys)."""
     if path in LOSS_SECTION:
         return "loss"
     if path in EVAL_SECTION:
         return "eval"
+    if path in TOOLS_SECTION:
+        return "tools"
     return path.partition(".")[0] if "." in path else "run"
 
 
@@ -212,3 +232,40 @@ def form_fields(gpus: int | None = None) -> list[FormField]:
             )
         )
     return fields
+
+
+@dataclass
+class ToolChoice:
+    name: str
+    doc: str  # the first line of its docstring
+
+
+@dataclass
+class ToolForm:
+    """The launch form's tools (the ``tools`` list): a checkbox per built-in, a text field for import paths, the
+    built-in zoom's ``coords``; the help texts are the config fields' descriptions, as for every other field."""
+
+    builtins: list[ToolChoice]
+    help: str  # tools
+    name_help: str  # tools[].name
+    coords_help: str  # tools[].coords
+    coords_choices: list[str]
+    coords_default: str
+    modules: list[str]  # the operator's COLLAGE_TOOL_MODULES
+
+
+def tool_form(tool_modules: tuple[str, ...] = ()) -> ToolForm:
+    from typing import get_args
+
+    from collage.training.tools.image_tools import BUILTIN_TOOLS  # PIL only: the web tier may import it
+
+    coords = config.ToolSettings.model_fields["coords"]
+    return ToolForm(
+        builtins=[ToolChoice(n, (fn.__doc__ or "").strip().partition("\n")[0]) for n, fn in BUILTIN_TOOLS.items()],
+        help=key_doc("tools").description,
+        name_help=key_doc("tools[].name").description,
+        coords_help=key_doc("tools[].coords").description,
+        coords_choices=[str(a) for a in get_args(coords.annotation)],
+        coords_default=str(coords.default),
+        modules=list(tool_modules),
+    )

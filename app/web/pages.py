@@ -16,7 +16,7 @@ from ..auth import may_change
 from ..deps import EngineDep, SessionDep, SettingsDep
 from ..models import ApiToken, Run
 from ..store.tokens import consume_login_link, verify_token
-from .fields import FormField, form_fields, gpus_default
+from .fields import FormField, form_fields, gpus_default, tool_form
 from .session import CSRF_FIELD, csrf_ok, csrf_token, current_session, end_session, finish_page, start_session
 
 
@@ -144,7 +144,8 @@ def launch_page(request: Request, engine: EngineDep, settings: SettingsDep, clon
     sections: dict[str, list[FormField]] = {}
     for field in fields:
         sections.setdefault(field.section, []).append(field)
-    return _render(request, "launch.html", page="launch", sections=sections, clone=clone or "")
+    return _render(request, "launch.html", page="launch", sections=sections, clone=clone or "",
+                   tools=tool_form(settings.tool_modules))  # fmt: skip
 
 
 @router.get("/runs/{run_id}")

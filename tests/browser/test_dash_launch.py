@@ -226,3 +226,34 @@ def test_a_bad_reward_name_marks_that_field_alone(browser, server):
         assert [e for e in page.errors if "status of 422" not in e] == [], page.errors
     finally:
         context.close()
+
+
+def test_the_tools_group_sends_the_tools_and_a_refused_one_is_marked_at_its_input(browser, server):
+    """Tools (collapsed): the checked built-ins (image_zoom_in with its coords), then the import paths, with the
+    multi-turn limits; this server allowlists no tool module, so the import path's refusal (tools[1].name) shows at
+    the import paths' input, the group opened, and the checkbox of tools[0] stays unmarked."""
+    context, page = login(browser, server)
+    try:
+        page.goto(server["base"] + "/launch")
+        page.wait_for_selector(".reward")
+        assert page.is_hidden("#tool-image_zoom_in") and page.is_hidden('[name="train.max_tool_calling_iterations"]')
+        page.click("#tools-group > summary")
+        page.check("#tool-image_zoom_in")
+        page.select_option("#tool-coords", "normalised")
+        page.fill("#tool-imports", "evil.module:fn")
+        page.fill('[name="train.max_tool_calling_iterations"]', "3")
+        page.click("#yaml-btn")
+        sent = yaml.safe_load(page.inner_text("#yaml"))
+        assert sent["tools"] == [{"name": "image_zoom_in", "coords": "normalised"}, {"name": "evil.module:fn"}], sent
+        assert sent["train"]["max_tool_calling_iterations"] == 3 and sent["environment"] is None
+        page.click("#yaml-btn")
+        page.evaluate("document.getElementById('tools-group').open = false")
+        page.click("#launch-btn")
+        slot = '[data-error-for="tools[1].name"]'
+        page.wait_for_selector(f"{slot}:not(:empty)")
+        assert "COLLAGE_TOOL_MODULES" in page.inner_text(slot) and page.is_visible(slot)
+        marked = page.evaluate("[...document.querySelectorAll('#launch [aria-invalid=\"true\"]')].map(e => e.id)")
+        assert marked == ["tool-imports"], marked
+        assert [e for e in page.errors if "status of 422" not in e] == [], page.errors
+    finally:
+        context.close()

@@ -1,6 +1,6 @@
 """The migrations and the table models stay in step, and 0007 (eval rows, checkpoint details, jobs, uploads) keeps
 what an older store held, on SQLite and PostgreSQL; on PostgreSQL, 0009 moves the text search indexes under the
-run id and its downgrade brings the old ones back."""
+run id and its downgrade brings the old ones back; 0012 (trajectories) gives older rows none."""
 
 from __future__ import annotations
 
@@ -101,4 +101,29 @@ def test_0009_moves_the_text_search_indexes_under_the_run_id_and_back(empty_url)
     with engine.begin() as conn:
         assert set(trigram_indexes(conn)) == {"ix_samples_completion_trgm", "ix_samples_prompt_text_trgm"}
         assert conn.execute(text(search)).scalars().all() == [777]
+    engine.dispose()
+
+
+def test_0012_gives_old_rows_no_trajectory_and_zero_counts_and_goes_back(empty_url):
+    from collage.app.db import downgrade, make_engine, upgrade
+
+    upgrade(empty_url, "0011")
+    engine = make_engine(empty_url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name, algorithm, config, status, step, max_steps, model_path, "
+                          "dataset_source, created_at, updated_at, attempt, warning_count) VALUES ('r', 'n', 'grpo', "
+                          "'{}', 'succeeded', 0, 0, '', '', '2026-01-01 00:00:00', '2026-01-01 00:00:00', 1, 0)"))  # fmt: skip
+        conn.execute(text('INSERT INTO samples (run_id, step, "group", "index", prompt, prompt_text, completion, '
+                          "rewards, reward_sort, advantage, completion_length, truncated, num_images, zero_std) VALUES "
+                          "('r', 1, 0, 0, '\"p\"', 'p', 'c', '{}', 0, 0, 1, false, 0, false)"))  # fmt: skip
+    upgrade(empty_url)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT trajectory, tool_calls, tool_errors, turns FROM samples")).all() == [
+            (None, 0, 0, 0)
+        ]
+    downgrade(empty_url, "0011")
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT count(*) FROM samples")).scalar() == 1
+        with pytest.raises(Exception, match="(?i)tool_calls"):
+            conn.execute(text("SELECT tool_calls FROM samples"))
     engine.dispose()
