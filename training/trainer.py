@@ -56,7 +56,7 @@ from .rewards import Reward, RewardError, resolve_reward, score
 from .rollout import Rollouts, multi_turn, reward_batch, rollout_image, turn_limits
 from .step_metrics import mean_dicts, to_float
 from .step_timing import RecentStepTime
-from .tools.multiturn import build_engine
+from .tools.multiturn import MultiTurnEngine, resolve_run_tools
 from .tools.report import eval_tool_metrics, trajectory_turns
 from .training_error import TrainingError
 
@@ -159,6 +159,8 @@ class Trainer:
             raise TrainingError(f"model.path: the tokenizer of {cfg.model.path} has no pad token")
         self.encoder = PromptEncoder(self.processor, self.family, t.max_prompt_length)
         self.image_token_id = self.encoder.image_token_id
+        # tools first: their schemas are part of every prompt the row check encodes
+        self.run_tools = resolve_run_tools(cfg, self.encoder, self.family, self.tool_modules)
         draw_check = self._validate_rows(split)
         self.data_order = DataOrder(
             self.dataset, t.seed, t.generation_batch_size // t.num_generations, self.world, self.rank, draw_check
@@ -212,8 +214,10 @@ class Trainer:
             gradient_checkpointing=t.gradient_checkpointing,
             world=self.world,
         )
-        self.engine = build_engine(cfg, self.encoder, self.tokenizer, self.family, self.tool_modules,
-                                   eos_ids(self.accelerator.unwrap_model(self.model), self.tokenizer))  # fmt: skip
+        self.engine = None
+        if cfg.uses_tools:
+            stop = eos_ids(self.accelerator.unwrap_model(self.model), self.tokenizer)
+            self.engine = MultiTurnEngine(self.encoder, self.tokenizer, self.family, *self.run_tools, stop)
         self.rollouts = Rollouts(
             cfg,
             self.accelerator,

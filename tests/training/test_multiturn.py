@@ -74,7 +74,7 @@ def engine_for(tiny, family: str, tools: list[Tool] | None = None):
     return model, processor, fam, enc, MultiTurnEngine(enc, processor.tokenizer, fam, tools, None, stop), stop
 
 
-LIMITS = TurnLimits(4, 8, 400)
+LIMITS = TurnLimits(4, 8, 1000)
 
 
 def rollouts(engine, enc, fam, samples, g, script, limits=LIMITS):
@@ -268,7 +268,7 @@ def test_limits_end_a_rollout(tiny):
     eos = sorted(stop)[0]
     # max_tool_calling_iterations: the call after the last allowed one ends the rollout, capped
     script = Script(processor.tokenizer, eos, [[ZOOM], [ZOOM], [ZOOM]])
-    _, (traj,) = rollouts(engine, enc, fam, [sample()], 1, script, TurnLimits(2, 8, 400))
+    _, (traj,) = rollouts(engine, enc, fam, [sample()], 1, script, TurnLimits(2, 8, 1000))
     assert traj.tool_calls == 2 and traj.capped and traj.done and not traj.truncated and script.calls == 3
     # a tool result that would pass max_completion_length is dropped and the rollout ends, truncated
     script = Script(processor.tokenizer, eos, [[ZOOM]])
@@ -278,7 +278,7 @@ def test_limits_end_a_rollout(tiny):
     # the image cap: a call past it is a tool error, not a new image
     again = ZOOM.replace('"arguments": {', '"arguments": {"image": 0, ')
     script = Script(processor.tokenizer, eos, [[ZOOM], [again], ["<answer>1</answer>"]])
-    _, (traj,) = rollouts(engine, enc, fam, [sample()], 1, script, TurnLimits(4, 2, 400))
+    _, (traj,) = rollouts(engine, enc, fam, [sample()], 1, script, TurnLimits(4, 2, 1000))
     assert len(traj.images) == 2 and traj.tool_errors == 1 and "image limit" in traj.turns[3].error
 
 

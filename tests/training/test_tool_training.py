@@ -28,7 +28,7 @@ def scripted_policy(monkeypatch):
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         rows = []
         for i in range(batch.batch_size * g):
-            answered = "<|im_start|>tool" in tokenizer.decode(batch.input_ids[i // g])
+            answered = "<tool_response>" in tokenizer.decode(batch.input_ids[i // g])
             text = "<answer>1</answer>" if answered or i % 2 else ZOOM
             rows.append(tokenizer.encode(text, add_special_tokens=False)[: max_new - 1] + [eos])
         calls.append(batch.batch_size * g)

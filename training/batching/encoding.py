@@ -108,12 +108,18 @@ class PromptEncoder:
         self.protected = vision_token_ids(processor.tokenizer, family)
         self.separators = separator_token_ids(processor.tokenizer)
         self.image_token_id = processor.tokenizer.convert_tokens_to_ids(family.image_token)
+        # a run with tools: their JSON schemas, which a chat template with tool support shows the model (Qwen's
+        # system turn); None renders prompts exactly as without tools
+        self.tools: list[dict[str, Any]] | None = None
 
     def render(self, sample: Sample) -> str:
         """The row's prompt through the model's chat template, rendered within Collage's bounds
         (:mod:`training.templates`): a template past them makes the row unusable, saying so."""
+        extra = {"tools": self.tools} if self.tools else {}
         try:
-            return self.processor.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=False)
+            return self.processor.apply_chat_template(
+                sample.prompt, add_generation_prompt=True, tokenize=False, **extra
+            )
         except TemplateLimit as exc:
             raise RowError(sample.row, str(exc)) from exc
 

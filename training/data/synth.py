@@ -1,10 +1,14 @@
 """Synthetic multi-image tasks with verifiable answers, written in the same on-disk format users use.
 
-Tasks (each needs more than one image to answer):
+Tasks (all but ``find-digit`` need more than one image to answer):
 
 - ``count-red``: how many of the images show a red shape (answer: a number);
 - ``odd-one-out``: all images show the same shape but one; which one (answer: its 1-based position);
-- ``same-shape``: do images *i* and *j* show the same shape (answer: ``yes`` / ``no``).
+- ``same-shape``: do images *i* and *j* show the same shape (answer: ``yes`` / ``no``);
+- ``find-digit``: one large image (``FIND_DIGIT_SIZE`` pixels square, whatever ``size`` says) with distracting
+  shapes and one small digit somewhere (answer: the digit; column ``region``: its box ``[x1, y1, x2, y2]`` in
+  pixels, exclusive ends as in ``Image.crop``), for multi-turn rollouts with ``image_zoom_in`` (docs/tools-task.md).
+  The only task with a single image: it needs one and has at most one.
 
 With ``min_images = 0`` text-only rows (task ``arith``: a small sum) are mixed in, so training code meets mixed
 batches. Output: ``<out>/train.jsonl`` (or ``train.parquet`` with image bytes inline) plus ``<out>/images/``,
@@ -80,6 +84,7 @@ class SynthRow:
     answer: str
     task: str
     extra: dict[str, Any]
+    pictures: list[Image.Image] | None = None  # images the task drew itself (then ``drawings`` is empty)
 
 
 def _count_red(n: int, rng: random.Random) -> SynthRow:
@@ -119,16 +124,92 @@ def _arith(rng: random.Random) -> SynthRow:
     return SynthRow(f"What is {a} plus {b}? Answer with a number.", [], str(a + b), "arith", {})
 
 
+FIND_DIGIT_SIZE = 640  # the side of a find-digit image in pixels
+DIGIT_SCALE = 2  # pixels per cell of a 5x7 glyph: a 10x14-pixel digit
+DIGIT_MARGIN = 8  # pixels around the digit no distracting shape enters
+# 5x7 bitmaps of the ten digits (no font file: the same pixels on every machine)
+GLYPHS: dict[str, tuple[str, ...]] = {
+    "0": ("01110", "10001", "10011", "10101", "11001", "10001", "01110"),
+    "1": ("00100", "01100", "00100", "00100", "00100", "00100", "01110"),
+    "2": ("01110", "10001", "00001", "00010", "00100", "01000", "11111"),
+    "3": ("11111", "00010", "00100", "00010", "00001", "10001", "01110"),
+    "4": ("00010", "00110", "01010", "10010", "11111", "00010", "00010"),
+    "5": ("11111", "10000", "11110", "00001", "00001", "10001", "01110"),
+    "6": ("00110", "01000", "10000", "11110", "10001", "10001", "01110"),
+    "7": ("11111", "00001", "00010", "00100", "01000", "01000", "01000"),
+    "8": ("01110", "10001", "10001", "01110", "10001", "10001", "01110"),
+    "9": ("01110", "10001", "10001", "01111", "00001", "00010", "01100"),
+}
+
+
+def draw_digit(pen: ImageDraw.ImageDraw, digit: str, x: int, y: int, fill: tuple[int, ...], scale: int) -> None:
+    """Digit ``digit`` with its glyph's top-left cell at ``(x, y)``: 5 x 7 cells of ``scale`` pixels."""
+    for row, bits in enumerate(GLYPHS[digit]):
+        for col, bit in enumerate(bits):
+            if bit == "1":
+                left, top = x + col * scale, y + row * scale
+                pen.rectangle([left, top, left + scale - 1, top + scale - 1], fill=fill)
+
+
+def _overlaps(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _find_digit(n: int, rng: random.Random) -> SynthRow:  # n is always 1 (Task.max_needed)
+    size, scale = FIND_DIGIT_SIZE, DIGIT_SCALE
+    digit = str(rng.randrange(10))
+    w, h = 5 * scale, 7 * scale
+    x = rng.randint(2 * DIGIT_MARGIN, size - w - 2 * DIGIT_MARGIN)
+    y = rng.randint(2 * DIGIT_MARGIN, size - h - 2 * DIGIT_MARGIN)
+    region = [x, y, x + w, y + h]
+    keep_out = (x - DIGIT_MARGIN, y - DIGIT_MARGIN, x + w + DIGIT_MARGIN, y + h + DIGIT_MARGIN)
+    image = Image.new("RGB", (size, size), tuple(rng.randint(225, 255) for _ in range(3)))
+    pen = ImageDraw.Draw(image)
+    for _ in range(rng.randint(8, 16)):  # distracting shapes, never on the digit
+        for _attempt in range(20):
+            r = rng.randint(10, 45)
+            cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
+            box = (cx - r, cy - r, cx + r + 1, cy + r + 1)
+            if not _overlaps(box, keep_out):
+                break
+        else:
+            continue
+        fill = COLORS[rng.choice(list(COLORS))]
+        shape = rng.choice(SHAPES)
+        if shape == "circle":
+            pen.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+        elif shape == "square":
+            pen.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+        elif shape == "triangle":
+            pen.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+        else:
+            t = max(2, r // 3)
+            pen.rectangle([cx - t, cy - r, cx + t, cy + r], fill=fill)
+            pen.rectangle([cx - r, cy - t, cx + r, cy + t], fill=fill)
+    ink = tuple(rng.randint(0, 60) for _ in range(3))
+    draw_digit(pen, digit, x, y, ink, scale)
+    question = (
+        f"This image is {size}x{size} pixels. Somewhere in it, among coloured shapes, a small dark digit (0-9, "
+        f"about {h} pixels tall) is written, hard to read in the whole image. Which digit is it? You may look closer "
+        'with <tool_call>{"name": "image_zoom_in", "arguments": {"bbox_2d": [x1, y1, x2, y2], "image": 0}}'
+        f"</tool_call>: bbox_2d is a box in the pixel coordinates of image 0 (x from the left, y from the top, "
+        f"0 to {size}), and you are shown that region on its own. Answer with the digit inside <answer></answer>."
+    )
+    return SynthRow(question, [], digit, "find-digit", {"region": region}, pictures=[image])
+
+
 @dataclass(frozen=True)
 class Task:
     make: Callable[[int, random.Random], SynthRow]
     min_needed: int  # fewest images a row of this task can have (text-only rows aside)
+    max_needed: int | None = None  # most images a row of this task can have (None: any number)
 
 
 TASKS: dict[str, Task] = {
     "count-red": Task(_count_red, 1),
     "odd-one-out": Task(_odd_one_out, 3),
     "same-shape": Task(_same_shape, 2),
+    "find-digit": Task(_find_digit, 1, max_needed=1),
 }
 
 
@@ -139,7 +220,10 @@ class SynthError(InputError):
 def _image_counts(task: Task, min_images: int, max_images: int) -> list[int]:
     if min_images < 0 or max_images < min_images:
         raise SynthError(f"need 0 <= min_images <= max_images, got min_images={min_images}, max_images={max_images}")
-    counts = [n for n in range(max(min_images, task.min_needed), max_images + 1)]
+    if task.max_needed is not None and min_images > task.max_needed:
+        raise SynthError(f"this task has at most {task.max_needed} images per row: lower min_images")
+    top = max_images if task.max_needed is None else min(max_images, task.max_needed)
+    counts = [n for n in range(max(min_images, task.min_needed), top + 1)]
     if min_images == 0:
         counts = [0, *counts]
     if not counts or counts == [0] and max_images > 0:
@@ -178,7 +262,7 @@ def generate(task_name: str, rows: int, min_images: int, max_images: int, seed: 
     for _ in range(rows):
         n = rng.choice(counts)
         item = _arith(rng) if n == 0 else task.make(n, rng)
-        images = [draw(d, size, rng) for d in item.drawings]
+        images = item.pictures if item.pictures is not None else [draw(d, size, rng) for d in item.drawings]
         prompt = [{"role": "user", "content": _content(item.question, n, rng)}]
         row = {"prompt": prompt, "answer": item.answer, "task": item.task, **item.extra}
         row["shapes"] = [d.shape for d in item.drawings]

@@ -87,11 +87,21 @@ def _template(role_open: str, role_close: str, image: str, generation_prompt: st
     )
 
 
-QWEN_TEMPLATE = _template(
-    "<|im_start|>{{ role }}\n",
-    "<|im_end|>\n",
+# Qwen2.5-VL's tool support, as its real template has it: the tools' JSON schemas in a system turn, and a tool result
+# as a user turn inside <tool_response> tags
+QWEN_TOOLS = (
+    "{%- if tools %}<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one or more "
+    "functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> "
+    "XML tags:\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each function call, "
+    "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}'
+)
+QWEN_TEMPLATE = QWEN_TOOLS + _template(
+    "<|im_start|>{{ role }}\n{% if message['role'] == 'tool' %}<tool_response>\n{% endif %}",
+    "{% if message['role'] == 'tool' %}\n</tool_response>{% endif %}<|im_end|>\n",
     "<|vision_start|><|image_pad|><|vision_end|>",
     "<|im_start|>assistant\n",
+    role_map="{% set role = 'user' if message['role'] == 'tool' else message['role'] %}",
 )
 LLAVA_TEMPLATE = _template(
     "{{ role }}: ",  # LLaVA-1.5 layout: USER: <image> ... ASSISTANT:

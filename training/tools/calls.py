@@ -30,11 +30,18 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _read_call(body: str) -> ToolCall:
     try:
-        value = json.loads(body)
+        # NaN and Infinity are not JSON: Python reads them, PostgreSQL's JSON refuses them in the stored trajectory
+        value = json.loads(body, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         return ToolCall("", {}, f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
+    except ValueError as exc:
+        return ToolCall("", {}, f"the tool call is not valid JSON ({exc})")
     if not isinstance(value, dict):
         return ToolCall("", {}, 'the tool call must be a JSON object {"name": ..., "arguments": {...}}')
     name = value.get("name")
@@ -43,8 +50,8 @@ def _read_call(body: str) -> ToolCall:
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API does
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = json.loads(arguments, parse_constant=_no_constant)
+        except ValueError:
             return ToolCall(name, {}, f"the arguments of {name} are not a JSON object")
     if not isinstance(arguments, dict):
         return ToolCall(name, {}, f"the arguments of {name} must be a JSON object")

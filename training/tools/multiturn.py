@@ -33,7 +33,15 @@ from ..data.rows import Sample
 from ..generation import Completions
 from ..models.families import Family
 from .calls import parse_tool_calls
-from .registry import Tool, UnknownToolError, environment_methods, environment_tools, resolve_environment, resolve_tools
+from .registry import (
+    Tool,
+    UnknownToolError,
+    environment_methods,
+    environment_tools,
+    resolve_environment,
+    resolve_tools,
+    tool_schema,
+)
 from .runner import run_tool_call
 from .turns import TurnRenderer
 from .types import ToolCall, ToolResult, Turn
@@ -232,6 +240,28 @@ def processor_max_side(processor: Any, family: Family) -> int | None:
     return None
 
 
+def resolve_run_tools(
+    config: Any, encoder: PromptEncoder, family: Family, tool_modules: Sequence[str] | None
+) -> tuple[list[Tool], type | None]:
+    """The run's tools and environment class, resolved under the allowlist, their schemas handed to the encoder
+    (so prompts are checked and encoded with the tools the template shows). Raises
+    :class:`~training.tools.registry.UnknownToolError` naming one that may not run."""
+    if not config.uses_tools:
+        return [], None
+    if "batch_num_images" in family.extra_inputs:
+        raise UnknownToolError(
+            f"tools: not supported for {family.name}: its processor lays out a lone image (anyres patches) unlike one "
+            "among several, so a tool image would change how the prompt's own image is tokenised"
+        )
+    tools = resolve_tools(config.tools, tool_modules, processor_max_side(encoder.processor, family))
+    environment = resolve_environment(config.environment, tool_modules)
+    schemas = [t.schema for t in tools]
+    if environment is not None:
+        schemas += [tool_schema(m, m.__name__) for m in environment_methods(environment)]
+    encoder.tools = schemas
+    return tools, environment
+
+
 def build_engine(
     config: Any,
     encoder: PromptEncoder,
@@ -240,16 +270,8 @@ def build_engine(
     tool_modules: Sequence[str] | None,
     stop_ids: set[int],
 ) -> MultiTurnEngine | None:
-    """The run's multi-turn engine (its tools and environment resolved under the allowlist), or None without
-    tools. Raises :class:`~training.tools.registry.UnknownToolError` naming a tool that may not run."""
+    """The run's multi-turn engine, or None without tools (see :func:`resolve_run_tools`)."""
     if not config.uses_tools:
         return None
-    if "batch_num_images" in family.extra_inputs:
-        raise UnknownToolError(
-            f"tools: not supported for {family.name}: its processor lays out a lone image (anyres patches) unlike one "
-            "among several, so a tool image would change how the prompt's own image is tokenised"
-        )
-    max_side = processor_max_side(encoder.processor, family)
-    tools = resolve_tools(config.tools, tool_modules, max_side)
-    environment = resolve_environment(config.environment, tool_modules)
+    tools, environment = resolve_run_tools(config, encoder, family, tool_modules)
     return MultiTurnEngine(encoder, tokenizer, family, tools, environment, stop_ids)
