@@ -1,4 +1,4 @@
-"""examples/zoom-grpo.yaml's budget on the tiny Qwen2-VL: a find-digit prompt (one 640x640 image) fits its
+"""examples/grpo-zoom.yaml's budget on the tiny Qwen2-VL: a find-digit prompt (one 640x640 image) fits its
 max_prompt_length whole, and the digit's crop costs a few image tokens of its max_completion_length."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collage.training.batching.encoding import PromptEncoder
 from collage.training.config import load_config
 from collage.training.data.loader import load_dataset
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "zoom-grpo.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo-zoom.yaml"
 
 
 def test_a_find_digit_prompt_fits_the_examples_prompt_budget_untruncated(tiny):

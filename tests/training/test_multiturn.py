@@ -295,3 +295,52 @@ def test_onevision_refused_with_tools():
 
     with pytest.raises(UnknownToolError, match="llava-onevision"):
         build_engine(config, Stub(), None, FAMILIES["llava-onevision"], None, set())  # type: ignore[arg-type]
+
+
+def test_an_environment_keeps_state_per_rollout_and_rewards_it(tiny):
+    from collage.training.rewards import resolve_reward, score
+    from collage.training.rollout import reward_batch
+    from collage.training.tools.registry import resolve_environment
+
+    env = resolve_environment("tests.support.tool_env:LockEnv", ["tests.support.tool_env"])
+    model, processor, fam = tiny("qwen2-vl")
+    enc = PromptEncoder(processor, fam)
+    stop = eos_ids(model, processor.tokenizer)
+    engine = MultiTurnEngine(enc, processor.tokenizer, fam, [], env, stop)
+    assert engine.tool_names == ["try_code"]
+    right = '<tool_call>{"name": "try_code", "arguments": {"code": 3}}</tool_call>'
+    wrong = '<tool_call>{"name": "try_code", "arguments": {"code": 5}}</tool_call>'
+    script = Script(processor.tokenizer, sorted(stop)[0], [[right, wrong], ["<answer>done</answer>"]])
+    _, trajs = rollouts(engine, enc, fam, [sample()], 2, script)
+    assert [t.turns[1].text for t in trajs] == ["open", "still locked"]
+    assert trajs[0].environment is not trajs[1].environment  # one instance per rollout
+    repeated = [t.sample for t in trajs]
+    values = score([resolve_reward("environment_reward")],
+                   reward_batch(repeated, [t.completion_text for t in trajs], [[1]] * 2, trajs))  # fmt: skip
+    assert values == [[1.0], [0.0]]
+
+
+def test_allowlist_holds_on_the_worker_side():
+    """What the API refuses at submit, the worker's resolution refuses again, before importing anything."""
+    from collage.training.tools.registry import UnknownToolError, resolve_environment
+
+    with pytest.raises(UnknownToolError, match="not allowlisted for tools"):
+        resolve_tools([ToolSettings(name="tests.support.tool_env:shout")], [], None)
+    with pytest.raises(UnknownToolError, match="never provides tools"):
+        resolve_tools([ToolSettings(name="os:system")], ["os"], None)
+    with pytest.raises(UnknownToolError, match="not allowlisted for tools"):
+        resolve_environment("tests.support.tool_env:LockEnv", ["tests.support.other"])
+    with pytest.raises(UnknownToolError, match="not a function"):
+        resolve_tools([ToolSettings(name="tests.support.tool_env:LockEnv")], ["tests.support.tool_env"], None)
+    (shout,) = resolve_tools([ToolSettings(name="tests.support.tool_env:shout")], ["tests.support.tool_env"], None)
+    assert shout.schema["function"]["parameters"]["required"] == ["text"]
+
+
+def test_a_tool_argument_is_never_a_path():
+    """The built-ins act on the rollout's images in memory: an argument naming a file is only a wrong argument."""
+    from collage.training.tools.runner import run_tool_call
+
+    tools = resolve_tools([ToolSettings(name="image_zoom_in")], None, None)
+    call = ToolCall("image_zoom_in", {"bbox_2d": [0, 0, 50, 50], "image": "/etc/passwd"})
+    result = run_tool_call(call, tools, [scene()], {})
+    assert result.error is not None and "image must be integer" in result.error and not result.images

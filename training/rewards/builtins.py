@@ -338,6 +338,19 @@ def zoom_hit(
     return out
 
 
+def environment_reward(completions: list[Any], environments: list[Any] | None = None, **_: Any) -> list[float | None]:
+    """The rollout's environment's own score: ``reward()`` of the environment instance that ran the rollout (a run
+    with ``environment`` whose class defines ``reward()``, TRL's environment_factory pattern); None for a rollout
+    without one, or when ``reward()`` returns None."""
+    envs = environments or [None] * len(completions)
+    out: list[float | None] = []
+    for env in envs:
+        method = getattr(env, "reward", None)
+        value = method() if callable(method) else None
+        out.append(None if value is None else float(value))
+    return out
+
+
 BUILTINS: dict[str, Callable[..., Any]] = {
     "accuracy": accuracy,
     "format": format,
@@ -348,4 +361,5 @@ BUILTINS: dict[str, Callable[..., Any]] = {
     "tool_format": tool_format,
     "tool_bonus": tool_bonus,
     "zoom_hit": zoom_hit,
+    "environment_reward": environment_reward,
 }
