@@ -25,6 +25,8 @@ from .data.rows import Sample, image_source
 from .forward_passes import ForwardPasses, batch_to_device
 from .generation import Completions, Sampling
 from .generation import backend as generation_backend
+from .generation import generate as hf_generate
+from .generation import resume as resume_generation
 from .generation_batch import GenerationBatch
 from .models.families import Family
 from .rewards import Reward, RewardBatch, score
@@ -73,16 +75,21 @@ def multi_turn(
     generate: Any,
     vision: Any,
     to_device: Any,
+    resume: Any = None,
 ) -> tuple[ModelBatch, list[Trajectory]]:
     """Multi-turn rollouts of ``samples`` (``prompt_batch``: their distinct prompts on the device) and the batch the
     loss forwards take: each rollout's prompt with all its images, its whole tail as the completion, only the
     generated tokens counted (``generate(batch, num_generations, max_new_tokens, encoder_outputs)`` samples a turn,
-    ``vision(batch)`` gives a batch's cached vision features)."""
+    ``vision(batch)`` gives a batch's cached vision features; ``resume(state, rows, batch, max_new_tokens,
+    encoder_outputs)``, when given, continues a turn from the cache the one before kept, and ``generate`` is then
+    expected to keep it)."""
     family = engine.family
     first = generate(prompt_batch, num_generations, limits.max_completion_length, vision(prompt_batch))
+    later = None if resume is None else (lambda st, rows, b, n: resume(st, rows, b, n, vision(b)))
     trajectories = engine.run(
-        samples, encoded, num_generations, limits, first, lambda b, g, n: generate(b, g, n, vision(b)), to_device
-    )
+        samples, encoded, num_generations, limits, first, lambda b, g, n: generate(b, g, n, vision(b)), to_device,
+        later,
+    )  # fmt: skip
     batch = collate(
         [t.as_prompt(family) for t in trajectories],
         family,
@@ -93,6 +100,26 @@ def multi_turn(
         tool_images=[t.tool_image_count for t in trajectories],
     )
     return batch, trajectories
+
+
+def turn_samplers(
+    backend: Any, policy: Any, family: Any, tokenizer: Any, image_token_id: int, protected: set[int], sampling: Any
+) -> tuple[Any, Any]:
+    """The ``generate`` and ``resume`` that :func:`multi_turn` takes, for ``policy`` with a generation backend:
+    the built-in one keeps each turn's KV cache and continues the next turn from it; another backend gets each
+    later turn as a new prompt (``resume`` None)."""
+    continues = backend is hf_generate
+    extra = {"keep_cache": True} if continues else {}
+
+    def generate(batch: ModelBatch, g: int, max_new: int, features: Any) -> Completions:
+        return backend(policy, batch, g, family, tokenizer, image_token_id, protected, max_new, sampling, features,
+                       **extra)  # fmt: skip
+
+    def resume(state: Any, rows: list[int], batch: ModelBatch, max_new: int, features: Any) -> Completions:
+        return resume_generation(policy, state, rows, batch, family, tokenizer, image_token_id, protected, max_new,
+                                 sampling, features)  # fmt: skip
+
+    return generate, (resume if continues else None)
 
 
 def rollout_image(image: Any) -> RolloutImage:
@@ -210,16 +237,14 @@ class Rollouts:
     ) -> tuple[ModelBatch, Completions, torch.Tensor, list[Trajectory]]:
         assert self.engine is not None
         t = self.config.train
-        backend = generation_backend(t.generation_backend)
-        sampling = training_sampling(t)
-
-        def generate(batch: ModelBatch, g: int, max_new: int, features: Any) -> Completions:
-            return backend(policy, batch, g, self.family, self.tokenizer, self.encoder.image_token_id,
-                           self.encoder.protected, max_new, sampling, features)  # fmt: skip
-
+        generate, resume = turn_samplers(
+            generation_backend(t.generation_backend), policy, self.family, self.tokenizer,
+            self.encoder.image_token_id, self.encoder.protected, training_sampling(t),
+        )  # fmt: skip
         batch, trajectories = multi_turn(
             self.engine, policy, samples, encoded, prompt_batch, t.num_generations, turn_limits(t), generate,
             lambda b: self.passes.encoder_outputs(policy, b, self.passes.scope("policy")), self._to_device,
+            resume,
         )  # fmt: skip
         completions = Completions([traj.tail for traj in trajectories], [traj.truncated for traj in trajectories])
         truncated = torch.tensor(completions.truncated)

@@ -53,7 +53,7 @@ from .modeling import prepare_policy, reference_model, trainable_vision_params
 from .models.loading import load_model, load_processor
 from .optimization import Optimization, loss_metrics, loss_settings
 from .rewards import Reward, RewardError, resolve_reward, score
-from .rollout import Rollouts, multi_turn, reward_batch, rollout_image, turn_limits
+from .rollout import Rollouts, multi_turn, reward_batch, rollout_image, turn_limits, turn_samplers
 from .step_metrics import mean_dicts, to_float
 from .step_timing import RecentStepTime
 from .tools.multiturn import MultiTurnEngine, resolve_run_tools
@@ -541,21 +541,20 @@ class Trainer:
         sampling = self._eval_sampling()
         backend = generation_backend(t.generation_backend)
 
-        def generate(batch: Any, n: int, max_new: int, features: Any) -> Completions:
-            return backend(policy, batch, n, self.family, self.tokenizer, self.image_token_id,
-                           self.encoder.protected, max_new, sampling, features)  # fmt: skip
-
         trajectories = None
         with torch.no_grad():
             prompts = self._to_device(collate(encoded, self.family, self.tokenizer.pad_token_id))
             self.eval_vision.clear()
             if self.engine is None:
-                completions = generate(prompts, g, t.max_completion_length,
-                                       self.eval_vision.encoder_outputs(policy, prompts, POLICY))  # fmt: skip
+                completions = backend(policy, prompts, g, self.family, self.tokenizer, self.image_token_id,
+                                      self.encoder.protected, t.max_completion_length, sampling,
+                                      self.eval_vision.encoder_outputs(policy, prompts, POLICY))  # fmt: skip
             else:  # the same turn loop as training, with the evaluation's own turn limit
+                generate, resume = turn_samplers(backend, policy, self.family, self.tokenizer, self.image_token_id,
+                                                 self.encoder.protected, sampling)  # fmt: skip
                 _, trajectories = multi_turn(
                     self.engine, policy, samples, encoded, prompts, g, turn_limits(t, evaluation=True), generate,
-                    lambda b: self.eval_vision.encoder_outputs(policy, b, POLICY), self._to_device,
+                    lambda b: self.eval_vision.encoder_outputs(policy, b, POLICY), self._to_device, resume,
                 )  # fmt: skip
                 completions = Completions([x.tail for x in trajectories], [x.truncated for x in trajectories])
         repeated = [s for s in samples for _ in range(g)]

@@ -9,11 +9,11 @@ Turn by turn, for a generation batch's prompts:
    as the next tokens of that rollout (:mod:`training.tools.turns`), the tool images appended to its images. A
    rollout ends on a turn without a call, on its length budget (``max_completion_length`` counts every assistant
    and tool token), or when ``max_tool_calling_iterations`` calls are used up.
-3. The rollouts still going are generated from together, one completion each, from their whole conversation so
-   far; finished rollouts take no compute. Later turns re-run their conversation's prefill, tool images included
-   (the vision features of a conversation are cached by content for the log-prob passes that follow, since the
-   final conversation is the last turn's context plus text); continuing from the previous turn's KV cache would be
-   cheaper and is not done yet (docs/tools.md says what that costs).
+3. The rollouts still going are generated from together, one completion each; finished rollouts leave the batch
+   and take no compute. With the built-in generation backend each later turn continues from the KV cache of the
+   turns before it (:func:`training.generation.resume`): only the tool turn's tokens are run through the model, and
+   each tool image is encoded once, when its turn is prefilled. A backend that keeps no cache (``generate`` returns
+   no ``state``) gets each later turn as a fresh prompt: the whole conversation so far, re-prefilled.
 
 The result, per rollout: every token after the prompt (``tail``) with a flag per token saying whether the model
 generated it (``generated``: the loss, old-policy, reference log-probs, KL and entropy count only those, TRL's
@@ -48,6 +48,9 @@ from .types import ToolCall, ToolResult, Turn
 
 # generate(batch of distinct prompts on the device, completions per prompt, max new tokens) -> Completions
 Generate = Callable[[Any, int, int], Completions]
+# resume(the previous turn's state, the rows of it that go on, their new tokens collated as prompts on the device,
+# max new tokens) -> Completions: one completion per row, continuing from the cache (training.generation.resume)
+Resume = Callable[[Any, list[int], Any, int], Completions]
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Trajectory:
     done: bool = False
     truncated: bool = False  # the length budget ran out (no final answer)
     capped: bool = False  # it still called a tool when max_tool_calling_iterations ran out
+    segment: EncodedPrompt | None = None  # its last tool turn (ids and pixels), until the next turn is generated
 
     @property
     def tool_image_count(self) -> int:
@@ -155,17 +159,39 @@ class MultiTurnEngine:
         first_turn: Completions,
         generate: Generate,
         to_device: Callable[[Any], Any],
+        resume: Resume | None = None,
     ) -> list[Trajectory]:
         """Rollouts of ``samples`` (``prompts``: each encoded once), prompt-major, their first turn already sampled
-        (``first_turn``: ``num_generations`` completions per prompt); ``generate`` samples the later turns."""
+        (``first_turn``: ``num_generations`` completions per prompt). Later turns continue from the previous turn's
+        cache with ``resume`` when the turn before left a ``state``, else ``generate`` samples them from the whole
+        conversation."""
         trajectories = [self.start(s, p) for s, p in zip(samples, prompts, strict=True) for _ in range(num_generations)]
         self._take_turn(trajectories, first_turn, limits)
         pad = self.tokenizer.pad_token_id
+        rows, state = trajectories, first_turn.state  # rows: the trajectories of the state's rows, in order
         while active := [t for t in trajectories if not t.done]:
             budget = max(limits.max_completion_length - len(t.tail) for t in active)
-            batch = to_device(collate([t.context(self.family) for t in active], self.family, pad))
-            self._take_turn(active, generate(batch, 1, budget), limits)
+            if state is not None and resume is not None:
+                position = {id(t): r for r, t in enumerate(rows)}
+                kept = [position[id(t)] for t in active]
+                segments = [self._segment(t, state.pending[r]) for t, r in zip(active, kept, strict=True)]
+                batch = to_device(collate(segments, self.family, pad))
+                completions = resume(state, kept, batch, budget)
+            else:
+                batch = to_device(collate([t.context(self.family) for t in active], self.family, pad))
+                completions = generate(batch, 1, budget)
+            rows, state = active, completions.state
+            self._take_turn(active, completions, limits)
         return trajectories
+
+    @staticmethod
+    def _segment(traj: Trajectory, pending: list[int]) -> EncodedPrompt:
+        """What a rollout's next turn adds to its cache: the tokens of its last turn not cached yet, then its tool
+        turn, with the tool turn's images."""
+        assert traj.segment is not None
+        seg = traj.segment
+        ids = list(pending) + seg.input_ids
+        return EncodedPrompt(seg.row, ids, seg.pixels, seg.num_images, seg.num_image_tokens, 0, seg.image_key)
 
     def _take_turn(self, trajectories: list[Trajectory], completions: Completions, limits: TurnLimits) -> None:
         for traj, ids, truncated in zip(trajectories, completions.ids, completions.truncated, strict=True):
@@ -216,6 +242,10 @@ class MultiTurnEngine:
         self._extend(traj, seg_ids, generated=False)
         if pixels:
             traj.parts.append(pixels)
+        n_new = len(new_images)
+        traj.segment = EncodedPrompt(
+            traj.sample.row, seg_ids, pixels, n_new, 0, 0, pixel_key(pixels, n_new) if n_new else None
+        )
         traj.images = images
         for call, result in zip(calls, results, strict=True):
             traj.tool_calls += 1
