@@ -12,7 +12,7 @@ weights, synthetic count-red with 1..3 images per row) with a pinned thread coun
 It writes ``docs/demo-accuracy.png`` (the chart in the README) and ``docs/demo-accuracy.json`` (the numbers).
 Several seeds (``--seeds 0,1,2``) show the spread.
 
-    .venv/bin/python bench/demo_learning.py [--seeds 0] [--threads 2] [--config examples/grpo-count-red.yaml]
+    .venv/bin/python -m bench.demo_learning [--seeds 0] [--threads 2] [--config examples/grpo-count-red.yaml]
 """
 
 from __future__ import annotations
@@ -74,36 +74,12 @@ def summarise(run: Path, seed: int, wall: float, cpu: float) -> dict:
 
 
 def chart(results: list[dict], path: Path) -> None:
-    """A plain line chart (PIL, no plotting dependency): accuracy per step for each seed and the blind baseline."""
-    from PIL import Image, ImageDraw
+    """Accuracy per step for each seed, and the image-blind baseline."""
+    from bench.charts import Series, line_chart
 
-    width, height, left, bottom, top, right = 720, 360, 60, 40, 20, 20
-    image = Image.new("RGB", (width, height), "white")
-    pen = ImageDraw.Draw(image)
-    steps = max(step for r in results for step, _ in r["curve"]) or 1
-
-    def xy(step: float, value: float) -> tuple[float, float]:
-        return left + step / steps * (width - left - right), height - bottom - value * (height - top - bottom)
-
-    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
-        y = xy(0, tick)[1]
-        pen.line([(left, y), (width - right, y)], fill=(230, 230, 230))
-        pen.text((8, y - 6), f"{tick:.2f}", fill="black")
-    for tick in range(0, steps + 1, max(1, steps // 5)):
-        x = xy(tick, 0)[0]
-        pen.text((x - 10, height - bottom + 8), str(tick), fill="black")
-    pen.text((width // 2 - 80, height - 16), "optimizer step (held-out accuracy, greedy)", fill="black")
+    series = [Series(f"seed {r['seed']}", r["curve"]) for r in results]
     blind = max(r["blind_baseline"] for r in results)
-    pen.line([xy(0, blind), xy(steps, blind)], fill=(200, 60, 60), width=2)
-    pen.text((left + 6, xy(0, blind)[1] - 14), f"image-blind best {blind:.2f}", fill=(200, 60, 60))
-    colours = [(40, 90, 200), (30, 150, 80), (150, 60, 170), (230, 130, 20)]
-    for index, result in enumerate(results):
-        points = [xy(step, value) for step, value in result["curve"]]
-        pen.line(points, fill=colours[index % len(colours)], width=3)
-        for x, y in points:
-            pen.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colours[index % len(colours)])
-        pen.text((width - right - 110, top + 4 + 14 * index), f"seed {result['seed']}", fill=colours[index % 4])
-    image.save(path)
+    line_chart(series, path, "optimizer step (held-out accuracy, greedy)", [("image-blind best", blind)])
 
 
 def main() -> None:

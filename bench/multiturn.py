@@ -17,7 +17,7 @@ model of bench/models.py (about 12M parameters: its compute dominates), a 336 px
 rounds (the order rotates each repetition), ``--reps`` of them, one pinned thread, median CPU time
 (``time.process_time``) and wall time of each side.
 
-    .venv/bin/python bench/multiturn.py --tokens 48 --reps 5
+    .venv/bin/python -m bench.multiturn --tokens 48 --reps 5
 """
 
 from __future__ import annotations
