@@ -898,6 +898,30 @@ class ResourceSettings(_Strict):
     queue: str = Field(
         "default", min_length=1, max_length=100, pattern=r"^[\w.-]+$", description="Worker queue to run on."
     )
+    processes: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description=(
+            "Training processes of the run. With gpus: 0, N CPU processes over gloo, launched as a multi-GPU run is "
+            "(accelerate launch; the worker's path of multi-process runs without a GPU); with gpus > 0 one process "
+            "per GPU, so empty or equal to gpus. Empty: one per GPU, or one on the CPU."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _one_process_per_gpu(self) -> ResourceSettings:
+        if self.gpus > 0 and self.processes is not None and self.processes != self.gpus:
+            raise ValueError(
+                f"processes: a GPU run has one process per GPU ({self.gpus}); leave processes empty, or use gpus: 0 "
+                f"for {self.processes} CPU processes"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """How many training processes the run has."""
+        return self.gpus if self.gpus > 0 else (self.processes or 1)
 
 
 # Keys of one algorithm only (TRL's RLOOConfig has none of the GRPO ones, GRPOConfig not normalize_advantages).

@@ -144,6 +144,11 @@ class Trainer:
         self.is_main = self.accelerator.is_main_process
         self.world = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
+        if self.world != cfg.resources.world_size:
+            self._pending_events.append(("warning", (
+                f"resources asks for {cfg.resources.world_size} training processes but this run has {self.world}: "
+                "a worker launches them itself; with collage train, start it under accelerate launch --multi_gpu "
+                f"--num_processes {cfg.resources.world_size} (docs/training.md)")))  # fmt: skip
         set_seed(t.seed, device_specific=True)  # sampling differs per process; the data order below does not
 
         split = self._load_data()  # the whole training split; eval_fraction's rows are taken out below

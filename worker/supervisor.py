@@ -68,12 +68,15 @@ def claim(writer: StoreWriter, run_id: str, worker: str) -> Run | None:
 
 def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str | None]:
     """The training command for this slot, its environment, and a warning worth recording (or ``None``)."""
-    wanted = int(run.config.get("resources", {}).get("gpus", 1))
+    resources = run.config.get("resources", {})
+    wanted = int(resources.get("gpus", 1))
     env = dict(os.environ)
     single = [sys.executable, "-m", "collage.worker.child", run.id, str(run.attempt)]
     if wanted == 0:
         env["CUDA_VISIBLE_DEVICES"] = ""
-        return single, env, None
+        processes = int(resources.get("processes") or 1)
+        # N CPU processes: launched as a multi-GPU run is; with no GPU visible, each rank trains on the CPU over gloo
+        return (single if processes == 1 else _launch(processes, run)), env, None
     if not slot.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
         return single, env, f"resources.gpus is {wanted} but this worker has no GPU slot: training on the CPU"
@@ -86,9 +89,14 @@ def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str 
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus[:wanted]))
     if wanted == 1:
         return single, env, None
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(wanted),
+    return _launch(wanted, run), env, None
+
+
+def _launch(processes: int, run: Run) -> list[str]:
+    """``accelerate launch`` of the training child as ``processes`` ranks on this host."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-    return [*launch, "-m", "collage.worker.child", run.id, str(run.attempt)], env, None
+    return [*launch, "-m", "collage.worker.child", run.id, str(run.attempt)]
 
 
 class SlotTooSmall(WorkerError):

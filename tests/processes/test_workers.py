@@ -374,3 +374,23 @@ def test_a_run_whose_redis_message_was_lost_is_sent_again_and_runs_once_in_order
 
 def test_a_run_whose_sqlite_broker_message_was_lost_is_sent_again_and_runs_once_in_order(embedded):
     _lost_message_is_sent_again(embedded, lambda: _lose_messages(embedded))
+
+
+def test_a_two_process_cpu_run_trains_on_the_worker_and_cancels_with_a_checkpoint(cluster):
+    """``resources.processes: 2`` with ``gpus: 0``: the worker launches two gloo ranks as it launches a multi-GPU
+    run; both ranks' rollouts reach the store, the main rank writes the rest, and a cancel stops both ranks with
+    a checkpoint of the step they reached."""
+    cluster.start_worker("w1")
+    done = cluster.submit(max_steps=2, resources={"gpus": 0, "processes": 2})
+    run = cluster.wait_status(done, ("succeeded", "failed"), timeout=300)
+    assert run["status"] == "succeeded", (run["error"], cluster.events(done))
+    assert cluster.metric_steps(done) == [1, 2]
+    samples = cluster.client.get(f"{API}/runs/{done}/samples", params={"limit": 500}).json()["items"]
+    assert len(samples) == 2 * 2 * 8  # steps x ranks x rollouts per rank
+    assert not [m for m in cluster.events(done) if "training processes" in m]  # no launch warning: both ran
+    slow = cluster.submit(max_steps=40, delay=0.4, resources={"gpus": 0, "processes": 2})
+    cluster.wait_step(slow, 1, timeout=300)
+    assert cluster.client.post(f"{API}/runs/{slow}/cancel").status_code == 200
+    run = cluster.wait_status(slow, ("cancelled", "failed", "succeeded"), timeout=180)
+    assert run["status"] == "cancelled", cluster.events(slow)
+    assert cluster.count(Checkpoint, Checkpoint.run_id == slow) >= 1

@@ -53,3 +53,21 @@ def test_the_training_nice_value_defaults_by_kind_of_worker():
     pinned = Settings(home=Path("/h"), database_url="sqlite://", broker_url="memory://", artifacts=Path("/a"),
                       train_nice=3)  # fmt: skip
     assert pinned.training_nice(embedded=True) == pinned.training_nice(embedded=False) == 3
+
+
+def test_cpu_processes_run_under_accelerate_launch_with_no_gpu_visible():
+    run = Run(id="r1", name="n", algorithm="grpo", attempt=1, config={"resources": {"gpus": 0, "processes": 3}})
+    cmd, env, warning = child_command(run, Slot(gpus=[0, 1]))
+    assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"] and "--multi_gpu" in cmd
+    assert cmd[cmd.index("--num_processes") + 1] == "3" and cmd[-4:] == ["-m", "collage.worker.child", "r1", "1"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and warning is None
+
+
+def test_processes_of_a_gpu_run_must_be_one_per_gpu():
+    from collage.training.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="one process per GPU"):
+        parse_config({"resources": {"gpus": 2, "processes": 4}})
+    assert parse_config({"resources": {"gpus": 2, "processes": 2}}).resources.world_size == 2
+    assert parse_config({"resources": {"gpus": 0, "processes": 4}}).resources.world_size == 4
+    assert parse_config({"resources": {"gpus": 0}}).resources.world_size == 1
