@@ -24,10 +24,11 @@ from collage.training.models.families import TINY_FAMILIES
 
 from .errors import WebError
 from .models import Run
+from .schemas import PLAYGROUND_TOOL_CALLS_MAX
 from .settings import Settings
 from .store import checkpoints as checkpoint_store
 from .store.checkpoints import CheckpointEntry
-from .trust import TINY, is_hub_id, is_local, local_model_violation
+from .trust import TINY, is_hub_id, is_local, local_model_violation, tool_violation
 
 # the formats an upload may have: the raster allowlist of training.images, narrowed to what browsers and cameras
 # write (MPO is how Pillow names a multi-picture JPEG, decoded by the same JPEG decoder)
@@ -185,6 +186,9 @@ class ResolvedModel:
     max_completion_length: int | None = None  # the run's (the `length` reward's bound)
     rewards: list[dict[str, Any]] | None = None  # the run's reward list (a base model: accuracy and format)
     queue: str = "default"
+    tools: list[dict[str, Any]] | None = None  # the run's tools (its ToolSettings, as JSON); a base model: none
+    max_images_per_rollout: int | None = None  # the run's (with tools)
+    max_tool_calling_iterations: int | None = None  # the run's (a generation's default with tools)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -265,7 +269,46 @@ def resolve_model(session: Session, ref: dict[str, Any], index: int, settings: S
         max_completion_length=config.train.max_completion_length,
         rewards=[r.model_dump(mode="json") for r in config.rewards],
         queue=config.resources.queue,
+        tools=[t.model_dump(mode="json") for t in config.tools],
+        max_images_per_rollout=config.train.max_images_per_rollout,
+        max_tool_calling_iterations=config.train.max_tool_calling_iterations,
     )
+
+
+TOOL_CALLS_DEFAULT = 4  # a generation's max_tool_calling_iterations with tools and no run model
+
+
+def request_tools(names: list[str] | None, models: list[ResolvedModel], settings: Settings) -> list[dict[str, Any]]:
+    """The tools a generation's models may call (each a ToolSettings as JSON): those named, a tool the first run
+    model also has keeping that run's settings (its ``coords``, ``timeout`` and ``args``), others the defaults; or
+    with ``names`` None the first run model's own (none for base models). Each must be allowed on this server (a
+    built-in, or an import path inside a module of COLLAGE_TOOL_MODULES) and named once: :class:`Refused` (422,
+    ``tools[k]``, naming it; ``tools`` for the run's own) otherwise."""
+    runs = [m for m in models if m.run is not None]
+    own = {t["name"]: t for t in (runs[0].tools or [])} if runs else {}
+    chosen = list(own.values()) if names is None else [dict(own.get(n) or {"name": n}) for n in names]
+    seen: set[str] = set()
+    for k, spec in enumerate(chosen):
+        name = spec["name"]
+        path = "tools" if names is None else f"tools[{k}]"
+        if name in seen:
+            raise Refused(422, path, f"{name!r} is named twice: name each tool once")
+        seen.add(name)
+        if (problem := tool_violation(name, settings)) is not None:
+            what = f"the run's tool {name!r}" if names is None else f"tool {name!r}"
+            raise Refused(422, path, f"{what} may not run here: {problem}")
+    return chosen
+
+
+def request_tool_calls(asked: int | None, models: list[ResolvedModel]) -> int:
+    """A generation's ``max_tool_calling_iterations``: the one asked for, or the first run model's own (at least
+    1, at most the playground's bound), or :data:`TOOL_CALLS_DEFAULT` for base models."""
+    if asked is not None:
+        return asked
+    runs = [m for m in models if m.run is not None and m.max_tool_calling_iterations is not None]
+    if not runs:
+        return TOOL_CALLS_DEFAULT
+    return max(1, min(PLAYGROUND_TOOL_CALLS_MAX, int(runs[0].max_tool_calling_iterations or 0)))
 
 
 def model_summary(model: dict[str, Any]) -> dict[str, Any]:

@@ -463,6 +463,8 @@ class ExportOut(BaseModel):
 # ------------------------------------------------------------------------------------------- the playground
 PROMPT_TEXT_MAX = 20_000  # characters of prompt text (a string, or all text parts of a conversation)
 GENERATIONS_MAX = 16  # completions per model of one generation
+PLAYGROUND_TOOLS_MAX = 8  # tools one generation may name
+PLAYGROUND_TOOL_CALLS_MAX = 16  # the largest max_tool_calling_iterations of a generation
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="an image's SHA-256, from POST /images")]
 ColumnValue = Annotated[str, Field(max_length=2000)] | int | float | bool | None
 
@@ -524,6 +526,19 @@ class GenerateRequest(_Request):
     seed: int | None = Field(
         None, ge=0, le=SEED_MAX, description="the same seed, model and input: the same completions"
     )
+    tools: list[Annotated[str, Field(min_length=1, max_length=500)]] | None = Field(
+        None,
+        max_length=PLAYGROUND_TOOLS_MAX,
+        description="tools the model may call, turn by turn (image_zoom_in, image_rotate, or a module:function of "
+        "COLLAGE_TOOL_MODULES); null: the first run model's own tools (none for a base model); []: none",
+    )
+    max_tool_calling_iterations: int | None = Field(
+        None,
+        ge=1,
+        le=PLAYGROUND_TOOL_CALLS_MAX,
+        description="with tools: the most tool calls of one completion (the model's turn after the last one allowed "
+        "ends it); null: the first run model's train.max_tool_calling_iterations (a base model: 4)",
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -561,12 +576,51 @@ class PlaygroundModelOut(BaseModel):
     step: int | None
 
 
+class PlaygroundToolCall(BaseModel):
+    name: str
+    arguments: dict[str, Any]
+
+
+class PlaygroundToolImage(BaseModel):
+    png: str | None = Field(
+        description="the image as base64 PNG (shrunk to at most 512 pixels a side for showing); null when the "
+        "result's image bytes ran past their bound"
+    )
+    width: int = Field(description="the image's own width (the pixels a later call's bbox_2d on it counts in)")
+    height: int
+    source: dict[str, Any] | None = Field(
+        description="{image: k, bbox_2d: [x1, y1, x2, y2]}: the region of the completion's image k (the prompt's "
+        "images, then every earlier tool image, from 0) it was made from, in that image's pixels"
+    )
+
+
+class PlaygroundTurn(BaseModel):
+    role: Literal["assistant", "tool"]
+    text: str = Field(description="what the model wrote, or the tool's result text (its error when it failed)")
+    tool_call: PlaygroundToolCall | None = Field(description="the call an assistant turn made, or a tool turn answers")
+    images: list[PlaygroundToolImage] = Field(default_factory=list, description="a tool turn's images")
+    error: str | None = None
+
+
+class PlaygroundTrajectory(BaseModel):
+    turns: list[PlaygroundTurn]
+    tool_calls: int
+    tool_errors: int
+    capped: bool = Field(description="it still called a tool when max_tool_calling_iterations ran out")
+
+
 class PlaygroundCompletion(BaseModel):
-    text: str
-    tokens: int
-    truncated: bool = Field(description="no end of turn within max_new_tokens")
+    text: str = Field(description="the completion (with tools: the model's last turn, its answer)")
+    tokens: int = Field(description="the tokens the model generated (with tools: in all its turns)")
+    truncated: bool = Field(
+        description="no end of turn within max_new_tokens (with tools: the rollout's tokens, every assistant and "
+        "tool token, ran past max_new_tokens)"
+    )
     logprob: float | None = Field(description="the completion's log-probability under the model (temperature 1)")
     reward: float | None = Field(description="the run's weighted reward total; null without an answer")
+    trajectory: PlaygroundTrajectory | None = Field(
+        None, description="with tools: every turn of the completion, in order; null without tools"
+    )
 
 
 class PlaygroundResult(BaseModel):
@@ -597,7 +651,10 @@ class GenerationOut(BaseModel):
     prompt: list[dict[str, Any]] = Field(description="the conversation the models were given, one image part per image")
     images: list[ImageRef] = Field(description="the images, in the order of the prompt's image parts")
     answer: str | int | float | None
-    sampling: dict[str, Any] = Field(description="num_generations, temperature, top_p, max_new_tokens, seed")
+    sampling: dict[str, Any] = Field(
+        description="num_generations, temperature, top_p, max_new_tokens, seed, tools (their names), "
+        "max_tool_calling_iterations"
+    )
     results: list[PlaygroundResult]
     error: str | None
     created_at: datetime

@@ -36,7 +36,7 @@ from collage.app.playground import base_model_problem, model_summary
 from collage.app.settings import Settings
 from collage.app.status import RunStatus
 from collage.app.store import jobs as store
-from collage.app.trust import reward_violation
+from collage.app.trust import reward_violation, tool_violation
 
 from .errors import WorkerError
 from .jobs import JobCancelled, JobContext, JobFailed
@@ -274,6 +274,10 @@ def run_generate(context: JobContext) -> dict[str, Any]:
     models = request["models"]
     for model in models:
         _check_model(model, settings)
+    tools = list(request.get("tools") or [])
+    for spec in tools:  # this worker's own allowlist again: a tool's code runs here
+        if (problem := tool_violation(spec["name"], settings)) is not None:
+            raise JobFailed(f"tool {spec['name']!r}: refused by this worker: {problem}")
     results = []
     with tempfile.TemporaryDirectory(prefix="collage-generate-") as tmp:
         for i, model in enumerate(models):
@@ -299,6 +303,10 @@ def run_generate(context: JobContext) -> dict[str, Any]:
                 "top_p": request["top_p"],
                 "max_new_tokens": request["max_new_tokens"],
                 "seed": request.get("seed"),
+                "tools": tools,
+                "tool_modules": list(settings.tool_modules),
+                "max_tool_calling_iterations": request.get("max_tool_calling_iterations") or 4,
+                "max_images_per_rollout": model.get("max_images_per_rollout"),
                 "cancel": str(Path(tmp) / f"cancel-{i}"),
             }
             answer = PROCESS.call(child_request, context, what, span)

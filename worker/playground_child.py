@@ -8,16 +8,20 @@ ones the request does not name before it loads the new ones.
 
 Protocol (JSON lines, like ``collage.app.datahelper``): a request on stdin ``{"op": "generate", "model": {...},
 "keep": [{...}, ...], "prompt": [...], "images": [sha256, ...], "artifacts": DIR, "answer", "columns", "rewards":
-[...], "reward_modules": [...], "num_generations", "temperature", "top_p", "max_new_tokens", "seed", "cancel":
-FILE}``; on stdout first ``{"event": "received"}``, then progress events (``loading``, ``generating``,
-``scoring``), then one answer: ``{"ok": true, "result": {...}}`` or ``{"ok": false, "error": "...", "cancelled":
-bool}`` (a cancelled one with the ``phase`` it stopped in). The request's ``cancel`` file appearing stops the work: it is looked for between the phases and before
-every forward pass of the model (a pre-forward hook), so a cancel stops a generation at its next token.
+[...], "reward_modules": [...], "num_generations", "temperature", "top_p", "max_new_tokens", "seed", "tools": [...],
+"tool_modules": [...], "max_tool_calling_iterations", "max_images_per_rollout", "cancel": FILE}``; on stdout first
+``{"event": "received"}``, then progress events (``loading``, ``generating``, ``scoring``), then one answer:
+``{"ok": true, "result": {...}}`` or ``{"ok": false, "error": "...", "cancelled": bool}`` (a cancelled one with the
+``phase`` it stopped in). The request's ``cancel`` file appearing stops the work: it is looked for between the
+phases and before every forward pass of the model (a pre-forward hook), so a cancel stops a generation at its next
+token.
 
 Everything is Collage's own training code: the row is built and its images decoded as a dataset row is
 (``training.data.rows``), the prompt encoded and collated by ``training.batching`` with the run's
 ``max_prompt_length``, completions sampled by ``training.generation`` and scored by ``training.rewards`` with the
-operator's reward-module allowlist (sent by the worker, never by the client).
+operator's reward-module allowlist (sent by the worker, never by the client). With ``tools``, each completion is a
+multi-turn rollout of ``training.rollout.multi_turn`` under the operator's tool-module allowlist, and its answer
+carries every turn (``trajectory``: texts, tool calls, errors, tool images as base64 PNG with their source).
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ from collage.worker.errors import WorkerError
 TTL_ENV = "COLLAGE_PLAYGROUND_TTL"
 PARENT_ENV = "COLLAGE_PLAYGROUND_PARENT"
 WORKDIR_ENV = "COLLAGE_PLAYGROUND_WORKDIR"  # an empty folder to work in (imports are resolved before the move)
+MAX_IMAGES_PER_ROLLOUT = 16  # with tools, for a base model: train.max_images_per_rollout's default
+TOOL_IMAGE_SIDE = 512  # a tool image in the answer: at most this many pixels a side (for showing)
+TOOL_IMAGE_BYTES = 6 << 20  # base64 PNG bytes of tool images one model's answer carries (a job result is a row)
+TURN_TEXT_CHARS = 20_000  # characters of one turn's text in the answer (a tool of the operator's may say a lot)
 
 
 class Failed(WorkerError):
@@ -71,14 +79,29 @@ class Loaded:
     family: Any
     device: Any
     encoders: dict[int | None, Any] = field(default_factory=dict)
+    tool_encoders: dict[tuple[int | None, str], Any] = field(default_factory=dict)
 
-    def encoder(self, max_prompt_length: int | None) -> Any:
-        """The prompt encoder with the run's ``max_prompt_length`` (kept: building one scans the vocabulary)."""
+    def encoder(self, max_prompt_length: int | None, tools: list[dict[str, Any]] | None = None) -> Any:
+        """The prompt encoder with the run's ``max_prompt_length`` (kept: building one scans the vocabulary) and,
+        with ``tools`` (their JSON schemas), a copy of it that shows them to the model as training does (the chat
+        template's tools turn); the encoder without tools is never changed."""
+        import copy
+
         from collage.training.batching.encoding import PromptEncoder
 
         if max_prompt_length not in self.encoders:
             self.encoders[max_prompt_length] = PromptEncoder(self.processor, self.family, max_prompt_length)
-        return self.encoders[max_prompt_length]
+        plain = self.encoders[max_prompt_length]
+        if not tools:
+            return plain
+        key = (max_prompt_length, json.dumps(tools, sort_keys=True))
+        if key not in self.tool_encoders:
+            if len(self.tool_encoders) >= 8:  # a few tool sets at a time (each one only a shallow copy)
+                self.tool_encoders.clear()
+            with_tools = copy.copy(plain)
+            with_tools.tools = tools
+            self.tool_encoders[key] = with_tools
+        return self.tool_encoders[key]
 
 
 def model_key(spec: dict[str, Any]) -> str:
@@ -220,13 +243,14 @@ class Playground:
         self.drop({model_key(s) for s in req.get("keep") or [spec]})
         sample = self.sample(req)
         loaded, reused = self.load(spec, stop)
+        tools = self._tools(req, loaded) if req.get("tools") else []
+        encoder = loaded.encoder(spec.get("max_prompt_length"), [t.schema for t in tools])
         try:
-            encoded = loaded.encoder(spec.get("max_prompt_length")).encode(sample)
+            encoded = encoder.encode(sample)
         except RowError as exc:
             raise Failed(f"{label}: {_images_named(exc.message, req['images'])}") from exc
         stop.check()
         model, family, tokenizer = loaded.model, loaded.family, loaded.processor.tokenizer
-        encoder = loaded.encoder(spec.get("max_prompt_length"))
         n = int(req["num_generations"])
         prompt = self._to_device(collate([encoded], family, tokenizer.pad_token_id), loaded)
         if req.get("seed") is not None:
@@ -234,6 +258,8 @@ class Playground:
         else:
             torch.seed()
         self.emit({"event": "generating"})
+        if tools:
+            return self._generate_with_tools(req, sample, encoded, encoder, tools, loaded, prompt, stop, reused, tic)
         hook = base_model(model).register_forward_pre_hook(stop.hook)
         try:
             completions = generate(
@@ -273,6 +299,101 @@ class Playground:
         return result
 
     @staticmethod
+    def _tools(req: dict[str, Any], loaded: Loaded) -> list[Any]:
+        """The request's tools as callables, resolved under the worker's tool-module allowlist (sent by the worker,
+        never by the client: a module outside it is refused before anything is imported), the built-ins' crops
+        bounded by the longest side the processor takes."""
+        from collage.training.config import ToolSettings
+        from collage.training.tools.multiturn import processor_max_side
+        from collage.training.tools.registry import UnknownToolError, resolve_tools
+
+        label, family = req["model"]["label"], loaded.family
+        if "batch_num_images" in family.extra_inputs:
+            raise Failed(f"{label}: tools are not supported for {family.name}: its processor lays out a lone image "
+                         "(anyres patches) unlike one among several")  # fmt: skip
+        try:
+            settings = [ToolSettings.model_validate(t) for t in req["tools"]]
+            return resolve_tools(
+                settings, tuple(req.get("tool_modules") or ()), processor_max_side(loaded.processor, family)
+            )
+        except (UnknownToolError, ValueError) as exc:
+            raise Failed(f"{label}: {str(exc).strip().splitlines()[0][:500]}") from exc
+
+    def _generate_with_tools(
+        self, req: dict[str, Any], sample: Any, encoded: Any, encoder: Any, tools: list[Any], loaded: Loaded,
+        prompt: Any, stop: Stopper, reused: bool, tic: float,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Each completion a multi-turn rollout with the request's tools (``training.rollout.multi_turn``, as
+        training and evaluation run them), its turns sampled by :func:`turn_sampler` with the request's own
+        sampling; ``max_new_tokens`` bounds every assistant and tool token of a rollout, as a run's
+        ``max_completion_length`` does. The answer carries every turn."""
+        import torch
+
+        from collage.training.batching.forward import base_model
+        from collage.training.batching.logprobs import completion_logprobs_and_entropy
+        from collage.training.data.errors import RowError
+        from collage.training.generation import eos_ids
+        from collage.training.rollout import multi_turn
+        from collage.training.tools.multiturn import MultiTurnEngine, TurnLimits
+
+        model, family, tokenizer = loaded.model, loaded.family, loaded.processor.tokenizer
+        engine = MultiTurnEngine(encoder, tokenizer, family, tools, None, eos_ids(model, tokenizer))
+        limits = TurnLimits(
+            int(req.get("max_tool_calling_iterations") or 4),
+            int(req.get("max_images_per_rollout") or MAX_IMAGES_PER_ROLLOUT),
+            int(req["max_new_tokens"]),
+        )
+        n = int(req["num_generations"])
+        hook = base_model(model).register_forward_pre_hook(stop.hook)
+        try:
+            generate, resume = turn_sampler(loaded, encoder, _sampling(req))
+            try:
+                batch, trajectories = multi_turn(
+                    engine, model, [sample], [encoded], prompt, n, limits, generate, lambda _b: None,
+                    lambda b: self._to_device(b, loaded), resume,
+                )  # fmt: skip
+            except RowError as exc:  # a tool turn the processor refused
+                raise Failed(f"{req['model']['label']}: {_images_named(exc.message, req['images'])}") from exc
+            full = self._to_device(batch, loaded)
+            with torch.no_grad():
+                logps, _ = completion_logprobs_and_entropy(
+                    model, full, family, encoder.image_token_id, 1.0, entropy=False
+                )
+        finally:
+            hook.remove()
+        sums = (logps.float() * full.completion_mask).sum(-1).tolist()
+        stop.check()
+        texts = [t.completion_text for t in trajectories]
+        ids = [t.generated_ids for t in trajectories]
+        budget = [TOOL_IMAGE_BYTES]
+        result: dict[str, Any] = {
+            "completions": [
+                {
+                    "text": text,
+                    "tokens": len(own),
+                    "truncated": t.truncated,
+                    "logprob": _finite(lp),
+                    "reward": None,
+                    "trajectory": trajectory_json(t, budget),
+                }
+                for text, own, t, lp in zip(texts, ids, trajectories, sums, strict=True)
+            ],  # fmt: skip
+            "rewards": None,
+            "reward_weights": None,
+            "reward_errors": None,
+            "prompt_tokens": len(encoded.input_ids),
+            "image_tokens": encoded.num_image_tokens,
+            "reused": reused,
+            "device": str(loaded.device),
+            "pid": os.getpid(),
+        }
+        if req.get("answer") is not None:
+            self.emit({"event": "scoring"})
+            self._score(req, sample, texts, ids, result, [t.turns for t in trajectories])
+        result["seconds"] = round(time.perf_counter() - tic, 3)
+        return result
+
+    @staticmethod
     def _to_device(batch: Any, loaded: Loaded) -> Any:
         dtype = next(loaded.model.parameters()).dtype
         batch.input_ids = batch.input_ids.to(loaded.device)
@@ -286,7 +407,12 @@ class Playground:
 
     @staticmethod
     def _score(
-        req: dict[str, Any], sample: Any, texts: list[str], ids: list[list[int]], result: dict[str, Any]
+        req: dict[str, Any],
+        sample: Any,
+        texts: list[str],
+        ids: list[list[int]],
+        result: dict[str, Any],
+        trajectories: list[list[Any]] | None = None,
     ) -> None:
         """Every reward of the run on every completion, each on its own (one that fails is reported, the others
         still count), and their weighted total as training combines them (a ``None`` is skipped)."""
@@ -300,6 +426,7 @@ class Playground:
             images=[sample.images] * n,
             columns={k: [v] * n for k, v in sample.columns.items()},
             rows=[0] * n,
+            trajectories=trajectories,
         )
         values: dict[str, list[float | None]] = {}
         weights: dict[str, float] = {}
@@ -333,6 +460,55 @@ class Playground:
         for i, completion in enumerate(result["completions"]):
             scored = [v * weights[k] for k in values if (v := values[k][i]) is not None]
             completion["reward"] = sum(scored) if scored else None
+
+
+def turn_sampler(loaded: Loaded, encoder: Any, sampling: Any) -> tuple[Any, Any]:
+    """How a multi-turn rollout samples its turns: ``(generate, resume)`` for ``training.rollout.multi_turn``, with
+    the loaded model, the request's sampling and the generation backend ``hf`` (``training.generation.BACKENDS``),
+    exactly as the trainer samples them (``training.rollout.turn_samplers``: the built-in backend continues each
+    later turn from the KV cache of the one before). A test scripts the model's turns by replacing that backend, as
+    the training tests do (a tiny random model never calls a tool); a replaced backend re-prefills each turn."""
+    from collage.training.generation import backend
+    from collage.training.rollout import turn_samplers
+
+    return turn_samplers(backend("hf"), loaded.model, loaded.family, loaded.processor.tokenizer,
+                         encoder.image_token_id, encoder.protected, sampling)  # fmt: skip
+
+
+def tool_image_json(image: Any, source: dict[str, Any] | None, budget: list[int]) -> dict[str, Any]:
+    """A tool image as the answer carries it: a PNG (base64) shrunk to at most TOOL_IMAGE_SIDE pixels a side for
+    showing, the image's own size (its ``bbox_2d`` and the next call's refer to those pixels) and its source; past
+    the result's TOOL_IMAGE_BYTES (``budget``: what is left) the PNG is left out (null)."""
+    import base64
+    import io
+
+    shown = image.copy()
+    shown.thumbnail((TOOL_IMAGE_SIDE, TOOL_IMAGE_SIDE))
+    buf = io.BytesIO()
+    shown.convert("RGB").save(buf, format="PNG")
+    data = base64.b64encode(buf.getvalue()).decode("ascii")
+    png = data if len(data) <= budget[0] else None
+    if png is not None:
+        budget[0] -= len(data)
+    return {"png": png, "width": image.width, "height": image.height, "source": source}
+
+
+def trajectory_json(trajectory: Any, budget: list[int]) -> dict[str, Any]:
+    """A rollout's turns as the answer carries them (the rollout rows' shape: a malformed call has no tool_call,
+    its tool turn the error the model was shown; a turn's text cut at TURN_TEXT_CHARS)."""
+    turns = []
+    for turn in trajectory.turns:
+        call = turn.tool_call
+        text = turn.text if len(turn.text) <= TURN_TEXT_CHARS else turn.text[:TURN_TEXT_CHARS] + " […]"
+        turns.append({
+            "role": turn.role,
+            "text": text,
+            "tool_call": call.to_json() if call is not None and not call.error else None,
+            "images": [tool_image_json(im.image, im.source, budget) for im in turn.images],
+            "error": turn.error,
+        })  # fmt: skip
+    return {"turns": turns, "tool_calls": trajectory.tool_calls, "tool_errors": trajectory.tool_errors,
+            "capped": trajectory.capped}  # fmt: skip
 
 
 def reward_name(name: str) -> str:

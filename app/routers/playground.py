@@ -29,6 +29,8 @@ from ..playground import (
     clean_upload,
     model_summary,
     prompt_conversation,
+    request_tool_calls,
+    request_tools,
     resolve_model,
     upload_growth_error,
 )
@@ -224,7 +226,8 @@ def generate(
 ) -> GenerateCreated:
     """Queue a generation: each model (a run's checkpoint by step, `best` or `last`, or a base model) completes the
     prompt with its images `num_generations` times on a worker of the run's queue; with an `answer`, every reward of
-    the run scores each completion. Follow it with `GET /generate/{id}`."""
+    the run scores each completion. With `tools` (by default the first run model's own) each completion is a
+    multi-turn rollout whose trajectory comes back turn by turn. Follow it with `GET /generate/{id}`."""
     errors = _check_images(session, body.images, settings)
     if body.max_new_tokens > settings.playground_max_new_tokens:
         errors.append(("max_new_tokens", f"{body.max_new_tokens} is more than the {settings.playground_max_new_tokens} "
@@ -241,6 +244,10 @@ def generate(
         ]
     except Refused as exc:
         raise _refused(exc) from exc
+    try:
+        tools = request_tools(body.tools, models, settings)
+    except Refused as exc:
+        raise _refused(exc) from exc
     runs = [m for m in models if m.run is not None]
     queue = runs[0].queue if runs else "default"  # a generation runs on one worker: the first run's queue
     job_request = {
@@ -254,6 +261,8 @@ def generate(
         "top_p": body.top_p,
         "max_new_tokens": body.max_new_tokens,
         "seed": body.seed,
+        "tools": tools,
+        "max_tool_calling_iterations": request_tool_calls(body.max_tool_calling_iterations, models),
     }
     job = jobs.new_job(JobKind.GENERATE, queue, job_request, run_id=runs[0].run if runs else None, created_by=token)
     busy = jobs.admit(engine, token, job, settings.playground_per_user)  # the count and the insert: one transaction
@@ -304,6 +313,13 @@ def _waiting(engine: Engine, settings: Settings, job: Job, position: int | None)
 SAMPLING = ("num_generations", "temperature", "top_p", "max_new_tokens", "seed")
 
 
+def _sampling_shown(request: dict) -> dict:
+    shown = {k: request.get(k) for k in SAMPLING}
+    shown["tools"] = [t["name"] for t in request.get("tools") or []]  # a generation from before tools: none
+    shown["max_tool_calling_iterations"] = request.get("max_tool_calling_iterations") if shown["tools"] else None
+    return shown
+
+
 def generation_out(session: Session, engine: Engine, settings: Settings, job: Job) -> GenerationOut:
     status = RunStatus(job.status)
     shown = RunStatus.RUNNING if status == RunStatus.CANCELLING else status
@@ -323,7 +339,7 @@ def generation_out(session: Session, engine: Engine, settings: Settings, job: Jo
         prompt=job.request.get("prompt") or [],
         images=[image_ref(sha, *sizes.get(sha, (0, 0))) for sha in shas],
         answer=job.request.get("answer"),
-        sampling={k: job.request.get(k) for k in SAMPLING},
+        sampling=_sampling_shown(job.request),
         results=[PlaygroundResult.model_validate(r) for r in results],
         error=job.error,
         created_at=job.created_at,

@@ -3,7 +3,9 @@
 // that list is not available; or a base model), a prompt with uploaded images (POST /images) or a rollout row of the
 // run (its prompt, images and dataset columns), sampling settings; Generate queues POST /generate and follows GET
 // /generate/{id} (queue position, what it waits for, progress) until the completions come back, side by side with
-// their rewards; Cancel stops it. Prompts, completions and server messages are untrusted: inserted as text only.
+// their rewards; Cancel stops it. Tools (the server's catalog, GET /rewards `tools`; the chosen run's own to start
+// with) make each completion a multi-turn rollout, shown turn by turn with its crops (trajectory.js, as the rollouts
+// page shows them). Prompts, completions and server messages are untrusted: inserted as text only.
 (() => {
   const { api, el, num, promptNode } = Collage;
   const ENDED = ["succeeded", "failed", "cancelled"];
@@ -43,6 +45,7 @@
     if (path.startsWith("images")) return "images";
     if (["prompt", "answer"].includes(path.split(/[.[]/)[0])) return path.split(/[.[]/)[0];
     if (["num_generations", "temperature", "top_p", "max_new_tokens", "seed"].includes(path)) return "sampling";
+    if (path.startsWith("tools") || path === "max_tool_calling_iterations") return "tools";
     return null;
   }
 
@@ -144,6 +147,69 @@
       const models = await api("/models");
       document.getElementById("pg-model-options").replaceChildren(...[...models.tiny, ...models.local].map(m => el("option", { value: m })));
     } catch (_err) { /* suggestions only */ }
+  }
+
+  // ------------------------------------------------------------------------------------------- tools
+  // The tools the model may call: a checkbox each for the server's built-ins, the chosen run's own tools and any
+  // "package.module:function" added (when the operator allows tool modules); checked: the run's tools.
+  const toolsList = document.getElementById("tools-list");
+  const toolCalls = document.getElementById("max_tool_calling_iterations");
+  let catalog = null;   // GET /rewards `tools`: {builtins: [{name, doc}], modules: [...]}
+  let toolsSeq = 0;
+
+  function toolBox(name, doc, checked) {
+    const id = `tool-${toolsList.querySelectorAll("input").length}`;
+    return el("label", { class: "pg-tool", for: id, title: doc || "" },
+      el("input", { type: "checkbox", id, value: name, checked }),
+      el("code", { text: name }), doc ? el("small", { class: "muted", text: ` ${doc}` }) : null);
+  }
+
+  function toolNames() { return [...toolsList.querySelectorAll("input:checked")].map(i => i.value); }
+
+  function showTools(own, calls) {
+    if (!catalog) return;
+    const builtins = catalog.builtins.map(t => t.name);
+    const names = new Set(own);
+    toolsList.replaceChildren();
+    for (const t of catalog.builtins) toolsList.append(toolBox(t.name, t.doc, names.has(t.name)));
+    for (const name of own) if (!builtins.includes(name)) toolsList.append(toolBox(name, "the run's own tool", true));
+    toolCalls.value = String(Math.max(1, Math.min(16, calls ?? 4)));
+  }
+
+  // the first model's own tools and tool-call limit: a run's from its config, none for a base model
+  async function resetTools() {
+    const mine = ++toolsSeq;
+    const runId = document.getElementById("run-0").value;
+    let own = [], calls = 4;
+    if (kind(0) === "run" && runId) {
+      try {
+        const config = (await api(`/runs/${encodeURIComponent(runId)}`)).config || {};
+        own = (config.tools || []).map(t => t.name);
+        if (own.length && config.train && Number.isInteger(config.train.max_tool_calling_iterations)) calls = config.train.max_tool_calling_iterations;
+      } catch (_err) { /* the run's page says what is wrong with it; no tools to start with */ }
+    }
+    if (mine === toolsSeq) showTools(own, calls);
+  }
+
+  async function loadCatalog() {
+    try { catalog = (await api("/rewards")).tools; }
+    catch (err) { toolsList.replaceChildren(el("span", { class: "error", text: "the server's tools could not be read" })); return; }
+    const extra = document.getElementById("tool-extra-box");
+    extra.hidden = !catalog.modules.length;
+    document.getElementById("tool-extra-help").textContent = catalog.modules.length
+      ? `A function of a module the operator allows (COLLAGE_TOOL_MODULES: ${catalog.modules.join(", ")}).` : "";
+    showTools([], 4);
+    resetTools();
+  }
+
+  function addTool() {
+    const input = document.getElementById("tool-extra");
+    const name = input.value.trim();
+    if (!name) return;
+    const known = [...toolsList.querySelectorAll("input")].find(i => i.value === name);
+    if (known) known.checked = true;
+    else toolsList.append(toolBox(name, "", true));
+    input.value = "";
   }
 
   // ------------------------------------------------------------------------------------------- images
@@ -278,6 +344,11 @@
     };
     const seed = numberOf("seed", true);
     if (seed !== undefined) body.seed = seed;
+    if (catalog) {  // the tools as checked (none: []); before the catalog came, the server's default (the run's own)
+      body.tools = toolNames();
+      const calls = numberOf("max_tool_calling_iterations", true);
+      if (body.tools.length && calls !== undefined) body.max_tool_calling_iterations = calls;
+    }
     if (answerBox.value.trim() !== "") body.answer = answerBox.value.trim();
     // a rollout row's prompt, unedited and with its own images: sent as stored (exactly what the run trained on),
     // with its dataset columns for the rewards
@@ -367,7 +438,18 @@
 
   function plural(count, word) { return `${count} ${word}${count === 1 ? "" : "s"}`; }
 
-  function column(result) {
+  // A completion's trajectory as trajectory.js shows a rollout row's: the prompt's images, then each tool image
+  // (its PNG, carried in the answer) in order.
+  function asRollout(job, trajectory) {
+    const turns = trajectory.turns.map(t => ({ ...t, images: (t.images || []).map(image => {
+      const src = image.png ? `data:image/png;base64,${image.png}` : null;
+      return { url: src, thumb_url: src, width: image.width, height: image.height, source: image.source };
+    }) }));
+    return { images: job.images, trajectory: turns, turns: turns.length, tool_calls: trajectory.tool_calls,
+      tool_errors: trajectory.tool_errors, capped: trajectory.capped };
+  }
+
+  function column(result, job) {
     const m = result.model;
     const meta = `${plural(result.prompt_tokens, "prompt token")} (${result.image_tokens} for images) · ${num(result.seconds, 1)} s · ` +
       `${result.reused ? "model already loaded" : "model loaded now"} · ${result.device}`;
@@ -385,34 +467,41 @@
         el("span", { class: "muted", text: ` ${plural(c.tokens, "token")}` }),
         c.truncated ? el("span", { class: "badge", text: "truncated" }) : null,
         el("span", { class: "muted", text: ` · log-prob ${num(c.logprob, 2)}` }));
-      list.append(el("li", { class: "pg-completion" }, head, el("pre", { class: "completion", text: c.text }), rewardList(result, i)));
+      const rollout = c.trajectory ? asRollout(job, c.trajectory) : null;
+      list.append(el("li", { class: "pg-completion" }, head, el("pre", { class: "completion", text: c.text }),
+        rollout ? Trajectory.toolBadges(rollout) : null, rollout ? Trajectory.trajectoryNode(rollout, true) : null,
+        rewardList(result, i)));
     });
     box.append(list);
     return box;
   }
 
   function showResults(job) {
-    const shown = job.results.map(column);
+    const shown = job.results.map(result => column(result, job));
     const prompt = el("div", { class: "pg-asked" }, el("h2", { text: "Prompt" }), promptNode(job.prompt, job.images),
       el("div", { class: "pg-asked-images" }, job.images.map((image, i) =>
         el("img", { src: image.thumb_url, alt: `image ${i + 1} (${image.width}x${image.height})`, class: "thumb" }))),
-      job.answer === null || job.answer === undefined ? null : el("p", { class: "muted", text: `answer: ${job.answer}` }));
+      job.answer === null || job.answer === undefined ? null : el("p", { class: "muted", text: `answer: ${job.answer}` }),
+      (job.sampling.tools || []).length ? el("p", { class: "muted pg-asked-tools", text: `tools: ${job.sampling.tools.join(", ")} · at most ${plural(job.sampling.max_tool_calling_iterations, "tool call")}` }) : null);
     results.replaceChildren(prompt, el("div", { class: "side-by-side pg-side" }, shown));
   }
 
   // ------------------------------------------------------------------------------------------- wiring
   for (const slot of [0, 1]) {
     for (const radio of form.querySelectorAll(`input[name="kind-${slot}"]`)) radio.addEventListener("change", () => showKind(slot));
-    document.getElementById(`run-${slot}`).addEventListener("change", () => { loadSteps(slot); if (slot === 0) suggestPrompt(); });
+    document.getElementById(`run-${slot}`).addEventListener("change", () => { loadSteps(slot); if (slot === 0) { suggestPrompt(); resetTools(); } });
     showKind(slot);
   }
+  for (const radio of form.querySelectorAll('input[name="kind-0"]')) radio.addEventListener("change", resetTools);
   second.addEventListener("change", () => { slotBox(1).disabled = !second.checked; });
+  document.getElementById("tool-add").addEventListener("click", addTool);
+  document.getElementById("tool-extra").addEventListener("keydown", e => { if (e.key === "Enter") { e.preventDefault(); addTool(); } });
   document.getElementById("files").addEventListener("change", onFiles);
   document.getElementById("rows-load").addEventListener("click", loadRows);
   rowsSelect.addEventListener("change", takeRow);
   form.addEventListener("submit", generate);
   cancelButton.addEventListener("click", cancel);
-  loadRuns();
+  loadRuns().then(loadCatalog);
   loadModelOptions();
   showUsage();
   // ?id=<generation>: follow it (or show how it ended) again, after a reload or from a shared link

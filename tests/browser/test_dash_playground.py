@@ -9,6 +9,7 @@ that starts stopping the playground process.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 from pathlib import Path
@@ -240,3 +241,154 @@ def test_a_generation_waits_behind_training_and_a_training_stops_the_playground_
     assert f"collage playground {pid}: the worker closed its pipe: exiting" in log  # stopped, not idle
     assert f"collage playground {pid}: no request for" not in log
     assert wait_done(client, short, timeout=600)["status"] == "succeeded"
+
+
+# ------------------------------------------------------------------------------------------------------- tools
+MARKER = "zoom-test"  # the scripted model of the tools server answers only prompts holding it
+FIRST, SECOND = [8, 6, 72, 54], [4, 4, 40, 36]  # the first crop, on the prompt's image; the second, on the first
+ERROR = "image must be an image number from 0 to 2"
+
+
+def _board(path: Path) -> Path:
+    """96 x 72, a red and a blue square over a colour ramp: every crop of it looks like no other."""
+    image = Image.new("RGB", (96, 72), (240, 240, 240))
+    for x in range(0, 96, 8):
+        image.paste((x * 2, 120, 255 - x * 2), (x, 60, x + 8, 72))
+    image.paste((230, 20, 20), (10, 10, 40, 40))
+    image.paste((20, 20, 230), (50, 20, 90, 50))
+    image.save(path, format="PNG")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tools_server(tmp_path_factory):
+    """A `collage serve` of its own whose processes have a scripted model (tests/support/scripted.py): a prompt
+    holding MARKER zooms on its image, zooms on that crop, names an image that is not there, and answers; the
+    tests' tool module allowed (COLLAGE_TOOL_MODULES)."""
+    from tests.support import ROOT
+    from tests.support.scripted import call, scripted_env
+    from tests.support.serve import Serve, serve_env
+
+    turns = [call("image_zoom_in", image=0, bbox_2d=FIRST), call("image_zoom_in", image=1, bbox_2d=SECOND),
+             call("image_zoom_in", image=7, bbox_2d=SECOND), "<answer>1</answer>"]  # fmt: skip
+    home = tmp_path_factory.mktemp("tools-serve-home")
+    env = serve_env(home, COLLAGE_TOOL_MODULES="tests.support.tool_env", **scripted_env(MARKER, turns, str(ROOT)))
+    serve = Serve(home, env=env).start()
+    try:
+        serve.wait_up(workers=1)
+        client = serve.client()
+        yield {"base": serve.base, "token": serve.token, "home": home, "client": client, "serve": serve}
+        client.close()
+    finally:
+        serve.interrupt()
+
+
+def _tool_run(server) -> str:
+    """A run (in the store only: it never trains) whose config has the zoom tool and 3 tool calls."""
+    from collage.training.config import parse_config
+    from tests.support.serve import store_writer
+
+    config = small_config("zoom-run", max_tool_calling_iterations=3)
+    config["tools"] = [{"name": "image_zoom_in"}]
+    engine, writer = store_writer(server)
+    run = writer.create_run(parse_config(config).model_dump(mode="json"))
+    engine.dispose()
+    return run.id
+
+
+def _checked(page) -> dict[str, bool]:
+    return page.evaluate(
+        "Object.fromEntries([...document.querySelectorAll('#tools-list input')].map(i => [i.value, i.checked]))"
+    )
+
+
+def _box_and_thumb(frame) -> tuple[list[float], list[float]]:
+    box = frame.locator(".crop-box").bounding_box()
+    thumb = frame.locator("img.source-thumb").bounding_box()
+    return [box["x"], box["y"], box["width"], box["height"]], [thumb["x"], thumb["y"], thumb["width"], thumb["height"]]
+
+
+def test_a_tool_calling_model_runs_turn_by_turn_and_the_page_shows_its_crops(browser, tools_server, tmp_path):
+    server = tools_server
+    run_id = _tool_run(server)
+    context, page = login(browser, server)
+    page.goto(f"{server['base']}/playground?run={run_id}")
+    # the picker: every built-in tool, checked as the chosen run has them, and the run's tool-call limit
+    wait_js(page, "document.querySelectorAll('#tools-list input').length >= 2", what="the tools picker")
+    wait_for(lambda: _checked(page), "the run's tools checked", timeout=60,
+             until=lambda c: c == {"image_rotate": False, "image_zoom_in": True})  # fmt: skip
+    assert page.input_value("#max_tool_calling_iterations") == "3"
+    assert "Zoom in on a region of an image" in page.inner_text("#tools-list")  # each tool says what it does
+    assert "tests.support.tool_env" in page.inner_text("#tool-extra-help")
+    # a base model has no tools of its own: none checked, the default limit
+    page.check('input[name="kind-0"][value="path"]')
+    wait_for(lambda: _checked(page), "no tools checked", timeout=60, until=lambda c: not any(c.values()))
+    assert page.input_value("#max_tool_calling_iterations") == "4"
+    page.fill("#path-0", "tiny:qwen2-vl")
+    page.set_input_files("#files", str(_board(tmp_path / "board.png")))
+    page.wait_for_selector(".pg-thumb img")
+    page.fill("#prompt", f"{MARKER}: how many red squares?")
+    page.fill("#answer", "1")
+    page.fill("#num_generations", "1")
+    page.fill("#max_new_tokens", "900")
+    page.fill("#seed", "3")
+    # a tool this server does not allow: refused, next to the tools
+    page.fill("#tool-extra", "tests.support.rewards:starts_with_digit")
+    page.click("#tool-add")
+    page.check('#tools-list input[value="image_zoom_in"]')
+    page.click("#generate")
+    page.wait_for_selector('[data-error-for="tools"]:not(:empty)')
+    error = page.inner_text('[data-error-for="tools"]')
+    assert error.startswith("tools[1]:") and "not allowlisted for tools" in error, error
+    assert [e for e in page.errors if "status of 422" not in e] == [], page.errors
+    page.errors.clear()  # the browser's own note of that 422
+    page.uncheck('#tools-list input[value="tests.support.rewards:starts_with_digit"]')
+    page.fill("#max_tool_calling_iterations", "3")
+    page.click("#generate")
+    job = _finished(page, server)
+    assert job["status"] == "succeeded", job
+    assert job["sampling"]["tools"] == ["image_zoom_in"] and job["sampling"]["max_tool_calling_iterations"] == 3
+    # the completion's turns, unfolded: zoom, its crop; zoom on the crop, its crop; a refused call; the answer
+    completion = page.locator(".pg-completion")
+    assert completion.count() == 1
+    page.wait_for_selector(".pg-completion details.trajectory[open] figure.tool-image.crop")
+    assert completion.locator("details.trajectory > summary").inner_text() == (
+        "trajectory: 7 turns · 3 tool calls · 1 tool error"
+    )
+    turns = completion.locator("li.turn")
+    assert turns.count() == 7
+    assert turns.nth(0).locator(".tool-name").inner_text() == "image_zoom_in"
+    assert turns.nth(0).locator(".tool-args").inner_text() == json.dumps(
+        {"image": 0, "bbox_2d": FIRST}, separators=(",", ":")
+    )
+    assert f"Zoomed in on {FIRST} of image 0." in turns.nth(1).inner_text()
+    assert ERROR in completion.locator("li.turn.has-error .tool-error").inner_text()
+    assert completion.locator(".badge.tool-errors").inner_text() == "1 tool error"
+    wait_js(
+        page,
+        "[...document.querySelectorAll('.pg-completion details.trajectory img')].every(i => i.complete && i.naturalWidth > 0)",
+    )
+    crops = completion.locator("figure.tool-image.crop")
+    assert crops.count() == 2
+    # each crop is image 1, 2 of the completion, beside the image it was cut from (the prompt's, then the first crop)
+    # with the crop's box drawn where its bbox_2d says, and its own pixels' size
+    sizes = {0: (96, 72), 1: (64, 48)}
+    for k, (bbox, source, crop_size) in enumerate([(FIRST, 0, (64, 48)), (SECOND, 1, (36, 32))]):
+        crop = crops.nth(k)
+        assert crop.get_attribute("data-image") == str(k + 1)
+        assert crop.locator(".box-frame").get_attribute("data-image") == str(source)
+        assert crop.locator("img.crop-thumb").evaluate("i => [i.naturalWidth, i.naturalHeight]") == list(crop_size)
+        box, thumb = _box_and_thumb(crop.locator(".box-frame"))
+        width, height = sizes[source]
+        x1, y1, x2, y2 = bbox
+        sx, sy = thumb[2] / width, thumb[3] / height
+        want = [thumb[0] + x1 * sx, thumb[1] + y1 * sy, (x2 - x1) * sx, (y2 - y1) * sy]
+        assert thumb[2] > 0 and all(abs(a - b) <= 1.0 for a, b in zip(box, want, strict=True)), (bbox, box, want)
+    assert "cropped from image 1 at [4, 4, 40, 36]" in crops.nth(1).inner_text()
+    assert "tools: image_zoom_in · at most 3 tool calls" in page.inner_text(".pg-asked")
+    shoot(page, "playground-tools")
+    # on a phone-sized screen the turns and crops fit
+    page.set_viewport_size({"width": 390, "height": 844})
+    wait_js(page, "document.documentElement.scrollWidth <= 390", what="the page to fit 390 px")
+    assert page.errors == [], page.errors
+    context.close()

@@ -320,3 +320,147 @@ def test_temperature_zero_is_greedy_decoding(play):
     other = run(app, settings, queue(client, models=models, images=[image], temperature=0.0, seed=2))
     assert first["status"] == other["status"] == "succeeded", (first, other)
     assert len(set(texts(first["result"]))) == 1 and texts(first["result"]) == texts(other["result"])
+
+
+# ------------------------------------------------------------------------------------------------------- tools
+MARKER = "zoom-test"  # the scripted model answers only prompts holding it (tests/support/scripted_turns)
+
+
+def board() -> Image.Image:
+    """96 x 72, a red square and a blue one: every pixel of a crop tells where it was cut."""
+    image = Image.new("RGB", (96, 72), (240, 240, 240))
+    for x in range(0, 96, 8):  # a ramp, so that crops of different places never look alike
+        image.paste((x * 2, 120, 255 - x * 2), (x, 60, x + 8, 72))
+    image.paste((230, 20, 20), (10, 10, 40, 40))
+    image.paste((20, 20, 230), (50, 20, 90, 50))
+    return image
+
+
+def decoded(tool_image: dict) -> Image.Image:
+    import base64
+
+    return Image.open(io.BytesIO(base64.b64decode(tool_image["png"]))).convert("RGB")
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """A playground process whose model is scripted (tests/support/scripted.py): ``script(turns)`` (re)starts it
+    with the turns it answers a prompt holding MARKER with; after the test the next process is a plain one."""
+    from collage.worker.playground import PROCESS
+    from tests.support.scripted import scripted_env
+
+    def script(turns: list[str]) -> None:
+        PROCESS.stop("the test scripts the model")
+        for key, value in scripted_env(MARKER, turns).items():
+            monkeypatch.setenv(key, value)
+
+    yield script
+    PROCESS.stop("end of the scripted test")
+
+
+def _tool_run(app, checkpoint: Path, tools: list[dict], **train) -> str:
+    changes = {"rewards": [{"name": "accuracy"}, {"name": "tool_format", "weight": 0.5}], "tools": tools,
+               "train": {"max_steps": 4, "max_prompt_length": 1024, "max_completion_length": 64, **train},
+               "model": {"path": "tiny:qwen2-vl", "dtype": "float32"}}  # fmt: skip
+    run = app.state.writer.create_run(parse_config(config(**changes)).model_dump(mode="json"))
+    folder = app.state.settings.artifacts / "runs" / run.id / "checkpoints" / "step-2"
+    shutil.copytree(checkpoint, folder)
+    app.state.writer.add_checkpoint(run.id, 2, str(folder), kind="full", size=1)
+    return run.id
+
+
+def test_a_model_that_calls_tools_zooms_turn_by_turn_and_its_crops_come_back(play, checkpoints, scripted):
+    """The run's own tools by default: the model zooms on the prompt's image, then on that crop, then names an
+    image that does not exist (a tool error it is shown), and answers; every turn comes back, each crop as the
+    pixels the tool cut, with the box it was cut from; the run's rewards see the trajectory."""
+    from collage.training.tools.image_tools import MIN_CROP_SIDE
+    from tests.support.scripted import call
+
+    client, app, settings = play
+    first, second = [8, 6, 72, 54], [4, 4, 40, 36]
+    scripted([call("image_zoom_in", image=0, bbox_2d=first), call("image_zoom_in", image=1, bbox_2d=second),
+              call("image_zoom_in", image=7, bbox_2d=second), "<answer>1</answer>"])  # fmt: skip
+    run_id = _tool_run(app, checkpoints[1], [{"name": "image_zoom_in"}], max_tool_calling_iterations=3)
+    sha = upload(client, board())
+    job = queue(client, models=[{"run": run_id}], images=[sha], prompt=f"{MARKER}: how many red squares?",
+                answer="1", num_generations=2, max_new_tokens=900, seed=4)  # fmt: skip
+    done = run(app, settings, job)
+    assert done["status"] == "succeeded", done
+    shown = client.get(f"{API}/generate/{job}").json()
+    assert shown["sampling"]["tools"] == ["image_zoom_in"] and shown["sampling"]["max_tool_calling_iterations"] == 3
+    (result,) = shown["results"]
+    assert len(result["completions"]) == 2
+    crop1 = board().crop(tuple(first))
+    crop2 = crop1.crop(tuple(second))
+    for completion in result["completions"]:
+        assert completion["text"] == "<answer>1</answer>" and not completion["truncated"]
+        trajectory = completion["trajectory"]
+        turns = trajectory["turns"]
+        assert [t["role"] for t in turns] == ["assistant", "tool"] * 3 + ["assistant"]
+        assert (trajectory["tool_calls"], trajectory["tool_errors"], trajectory["capped"]) == (3, 1, False)
+        assert turns[0]["tool_call"] == {"name": "image_zoom_in", "arguments": {"image": 0, "bbox_2d": first}}
+        assert turns[1]["tool_call"] == turns[0]["tool_call"] and turns[1]["error"] is None
+        assert turns[1]["text"] == f"Zoomed in on {first} of image 0."
+        # each crop: the tool's own pixels (a lossless PNG), its size, and the box of the image it was cut from
+        (image1,) = turns[1]["images"]
+        assert image1["source"] == {"image": 0, "bbox_2d": first}
+        assert (image1["width"], image1["height"]) == crop1.size and decoded(image1).tobytes() == crop1.tobytes()
+        (image2,) = turns[3]["images"]
+        assert image2["source"] == {"image": 1, "bbox_2d": second}  # the first crop is image 1
+        assert (image2["width"], image2["height"]) == crop2.size and decoded(image2).tobytes() == crop2.tobytes()
+        assert min(crop2.size) >= MIN_CROP_SIDE
+        # the third call names an image that is not there: the model was shown the error, and it is counted
+        assert turns[5]["images"] == [] and "image must be an image number from 0 to 2" in turns[5]["error"]
+        assert turns[5]["text"] == turns[5]["error"]
+        assert completion["tokens"] > 0 and completion["logprob"] is not None
+    # the run's rewards, with the trajectory: tool_format sees the calls (two worked, one failed)
+    assert set(result["rewards"]) == {"accuracy", "tool_format"} and result["rewards"]["accuracy"] == [1.0, 1.0]
+    assert all(v is not None for v in result["rewards"]["tool_format"])
+    assert result["prompt_tokens"] > 0 and result["image_tokens"] > 0
+
+
+def test_an_operators_tool_runs_where_the_worker_allows_it_and_is_refused_where_it_does_not(play, scripted):
+    from dataclasses import replace
+
+    from tests.support.scripted import call
+
+    client, app, settings = play
+    scripted([call("shout", text="hello"), "done"])
+    app.state.settings = replace(app.state.settings, tool_modules=("tests.support.tool_env",))
+    body = {"models": [{"path": "tiny:qwen2-vl"}], "prompt": f"{MARKER}: say it", "max_new_tokens": 400,
+            "tools": ["tests.support.tool_env:shout"], "max_tool_calling_iterations": 1}  # fmt: skip
+    allowing = replace(settings, tool_modules=("tests.support.tool_env",))
+    done = run(app, allowing, queue(client, **body, num_generations=1))
+    assert done["status"] == "succeeded", done
+    (completion,) = done["result"]["results"][0]["completions"]
+    turns = completion["trajectory"]["turns"]
+    assert [(t["role"], t["text"]) for t in turns[1:]] == [("tool", "HELLO"), ("assistant", "done")]
+    assert turns[0]["tool_call"] == {"name": "shout", "arguments": {"text": "hello"}}
+    # the web node allowed it; this worker's own COLLAGE_TOOL_MODULES does not: refused before any import
+    refused = run(app, settings, queue(client, **body))
+    assert refused["status"] == "failed", refused
+    assert "tool 'tests.support.tool_env:shout': refused by this worker" in refused["error"]
+    assert "COLLAGE_TOOL_MODULES" in refused["error"]
+
+
+def test_a_real_model_with_tools_is_shown_their_schemas_and_its_trajectory_is_whole(play):
+    """A tiny random model given the zoom tool (it never calls one): its prompt holds the tool's schema (more
+    tokens), each completion's trajectory is one answer turn, and a generation without tools in the same process
+    is encoded as before (the tools never leak into the encoder of plain prompts)."""
+    client, app, settings = play
+    sha = upload(client, picture())
+    plain = dict(models=[{"path": "tiny:qwen2-vl"}], images=[sha], seed=2, max_new_tokens=12)
+    before = run(app, settings, queue(client, **plain))
+    tooled = run(app, settings, queue(client, **plain, tools=["image_zoom_in", "image_rotate"]))
+    after = run(app, settings, queue(client, **plain))
+    assert before["status"] == tooled["status"] == after["status"] == "succeeded", (before, tooled, after)
+    b, t, a = (x["result"]["results"][0] for x in (before, tooled, after))
+    assert t["prompt_tokens"] > b["prompt_tokens"] + 100 and a["prompt_tokens"] == b["prompt_tokens"]
+    assert a["reused"] and texts(after["result"]) == texts(before["result"])
+    assert all(c.get("trajectory") is None for c in b["completions"])
+    for completion in t["completions"]:
+        trajectory = completion["trajectory"]
+        calls = sum(turn["role"] == "tool" for turn in trajectory["turns"])
+        assert trajectory["turns"][0]["role"] == "assistant" and trajectory["tool_calls"] == calls
+        assert trajectory["turns"][-1]["text"] == completion["text"] or completion["truncated"]
+        assert completion["tokens"] <= 12

@@ -496,3 +496,70 @@ def test_a_base_model_folder_with_a_file_linked_outside_is_refused(play, tmp_pat
     path, message = field_error(response)
     assert path == "models[0].path" and "holds chat_template.jinja, a link that leads outside" in message
     assert dispatcher.jobs == []
+
+
+# -------------------------------------------------------------------------------------------------------- tools
+def _job_request(app, job_id: str) -> dict:
+    with Session(app.state.engine) as session:
+        return session.get(Job, job_id).request
+
+
+def test_generate_with_tools_defaults_to_the_runs_own_and_shows_them(play):
+    client, app, dispatcher = play
+    app.state.settings = replace(app.state.settings, playground_per_user=10)
+    zoom = {"name": "image_zoom_in", "coords": "normalised", "timeout": 5.0, "args": {}}
+    run = _run_with_checkpoints(app, client, tools=[zoom], train={"max_steps": 5, "max_tool_calling_iterations": 2})
+    # no tools named: the first run model's own, with its settings and its tool-call limit
+    job = client.post(API + "/generate", json=_request(models=[{"run": run}])).json()["id"]
+    request = _job_request(app, job)
+    assert request["tools"] == [zoom] and request["max_tool_calling_iterations"] == 2
+    sampling = client.get(f"{API}/generate/{job}").json()["sampling"]
+    assert sampling["tools"] == ["image_zoom_in"] and sampling["max_tool_calling_iterations"] == 2
+    # named: in that order, the run's own keeping its settings, another with the defaults; the limit as asked
+    job = client.post(API + "/generate", json=_request(models=[{"run": run}], tools=["image_rotate", "image_zoom_in"],
+                                                      max_tool_calling_iterations=7)).json()["id"]  # fmt: skip
+    request = _job_request(app, job)
+    assert request["tools"] == [{"name": "image_rotate"}, zoom] and request["max_tool_calling_iterations"] == 7
+    assert client.get(f"{API}/generate/{job}").json()["sampling"]["tools"] == ["image_rotate", "image_zoom_in"]
+    # none asked for: none, and no limit shown
+    job = client.post(API + "/generate", json=_request(models=[{"run": run}], tools=[])).json()["id"]
+    assert _job_request(app, job)["tools"] == []
+    sampling = client.get(f"{API}/generate/{job}").json()["sampling"]
+    assert sampling["tools"] == [] and sampling["max_tool_calling_iterations"] is None
+    # a base model has no tools of its own; given one, the limit is 4
+    job = client.post(API + "/generate", json=_request()).json()["id"]
+    assert _job_request(app, job)["tools"] == []
+    job = client.post(API + "/generate", json=_request(tools=["image_zoom_in"])).json()["id"]
+    request = _job_request(app, job)
+    assert request["tools"] == [{"name": "image_zoom_in"}] and request["max_tool_calling_iterations"] == 4
+    assert len(dispatcher.jobs) == 5
+
+
+def test_a_tool_outside_the_allowlist_or_named_twice_is_refused_naming_it(play):
+    client, app, dispatcher = play
+    app.state.settings = replace(app.state.settings, playground_per_user=10)
+    for tools, where, said in [
+        (["image_zoom_in", "evil.module:fn"], "tools[1]", "'evil.module' is not allowlisted for tools"),
+        (["image_crop"], "tools[0]", "unknown tool 'image_crop'"),
+        (["image_rotate", "os:system"], "tools[1]", "never provides tools"),
+        (["image_zoom_in", "image_rotate", "image_zoom_in"], "tools[2]", "'image_zoom_in' is named twice"),
+    ]:
+        path, message = field_error(client.post(API + "/generate", json=_request(tools=tools)))
+        assert (path, said in message) == (where, True), (tools, path, message)
+    assert "COLLAGE_TOOL_MODULES" in field_error(client.post(API + "/generate", json=_request(tools=["a.b:c"])))[1]
+    for change, where in [({"tools": ["image_zoom_in"] * 9}, "tools"), ({"tools": [""]}, "tools[0]"),
+                          ({"max_tool_calling_iterations": 0}, "max_tool_calling_iterations"),
+                          ({"max_tool_calling_iterations": 17}, "max_tool_calling_iterations")]:  # fmt: skip
+        path, _ = field_error(client.post(API + "/generate", json=_request(**change)))
+        assert path.startswith(where), (change, path)
+    # a module the operator allows: accepted by name alone (the worker imports it)
+    app.state.settings = replace(app.state.settings, tool_modules=("acme_tools",))
+    accepted = client.post(API + "/generate", json=_request(tools=["acme_tools.vision:count"]))
+    assert accepted.status_code == 202, accepted.text
+    # a run whose own tool the operator no longer allows: its default is refused, naming it; none asked: fine
+    run = _run_with_checkpoints(app, client, tools=[{"name": "acme_tools.vision:count"}])
+    app.state.settings = replace(app.state.settings, tool_modules=())
+    path, message = field_error(client.post(API + "/generate", json=_request(models=[{"run": run}])))
+    assert path == "tools" and "the run's tool 'acme_tools.vision:count' may not run here" in message
+    assert client.post(API + "/generate", json=_request(models=[{"run": run}], tools=[])).status_code == 202
+    assert len(dispatcher.jobs) == 2
