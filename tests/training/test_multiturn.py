@@ -344,3 +344,18 @@ def test_a_tool_argument_is_never_a_path():
     call = ToolCall("image_zoom_in", {"bbox_2d": [0, 0, 50, 50], "image": "/etc/passwd"})
     result = run_tool_call(call, tools, [scene()], {})
     assert result.error is not None and "image must be integer" in result.error and not result.images
+
+
+@pytest.mark.parametrize(("family", "side"), [("qwen2-vl", 1001), ("idefics3", 112), ("smolvlm", 224), ("llava", None)])
+def test_a_crop_is_shrunk_to_what_the_processor_takes(tiny, family, side):
+    """The processors' own limits (transformers 5 keeps ``size`` as a SizeDict): Qwen-VL's pixel budget as a
+    square's side, Idefics3/SmolVLM's longest edge, none for processors that resize every image anyway."""
+    from collage.training.tools.multiturn import processor_max_side
+
+    _, processor, fam = tiny(family)
+    assert processor_max_side(processor, fam) == side
+    (zoom,) = resolve_tools([ToolSettings(name="image_zoom_in")], None, processor_max_side(processor, fam))
+    big = Image.new("RGB", (1400, 1400), (10, 200, 30))
+    result = zoom.fn([0, 0, 1300, 650], images=[big], **zoom.fixed)
+    expected = (1300, 650) if side is None or side >= 1300 else (side, round(650 * side / 1300))
+    assert result.images[0].image.size == expected

@@ -261,13 +261,22 @@ def processor_max_side(processor: Any, family: Family) -> int | None:
     side, Idefics3/SmolVLM's ``longest_edge``; None for processors that resize every image to a fixed size anyway
     (LLaVA, Gemma 3, InternVL's tiles), where a crop needs no limit of its own."""
     ip = getattr(processor, "image_processor", None)
-    size = getattr(ip, "size", None) or {}
-    if family.layout == "grid":
-        pixels = getattr(ip, "max_pixels", None) or (size.get("longest_edge") if isinstance(size, dict) else None)
+    longest = _size_field(getattr(ip, "size", None), "longest_edge")
+    if family.layout == "grid":  # Qwen-VL keeps its pixel budget as max_pixels, or as size's longest_edge
+        pixels = getattr(ip, "max_pixels", None) or longest
         return int(pixels**0.5) if pixels else None
-    if family.layout == "batch_padded" and isinstance(size, dict) and size.get("longest_edge"):
-        return int(size["longest_edge"])
+    if family.layout == "batch_padded" and longest:
+        return int(longest)
     return None
+
+
+def _size_field(size: Any, key: str) -> Any:
+    """One field of an image processor's ``size``: a dict, or transformers 5's ``SizeDict`` (attributes)."""
+    if size is None:
+        return None
+    if isinstance(size, dict):
+        return size.get(key)
+    return getattr(size, key, None)
 
 
 def resolve_run_tools(
