@@ -515,6 +515,16 @@ def _add_local_commands(commands: Commands) -> None:
     explain.add_argument("--markdown", action="store_true", help="the key reference table of docs/training.md")
     explain.set_defaults(func=_cmd_config_explain)
 
+    plan = commands.add_parser("plan", help="the memory a run's processes need, from the model's config alone")
+    plan.add_argument("config", help="run config (YAML)")
+    plan.add_argument("--gpus", type=int, help="processes to plan for (default: the config's)")
+    plan.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GiB: says whether each strategy fits")
+    plan.add_argument(
+        "--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config key (repeatable)"
+    )
+    plan.add_argument("--json", action="store_true", help="the plan as JSON")
+    plan.set_defaults(func=_cmd_plan)
+
     train = commands.add_parser("train", help="run one GRPO/RLOO run in the foreground, no server")
     train.add_argument("config", help="run config (YAML)")
     train.add_argument("--out", help="output folder (default out/<run name>)")
@@ -524,6 +534,26 @@ def _add_local_commands(commands: Commands) -> None:
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=_cmd_train)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from collage.training.config import load_config
+    from collage.training.memory_plan import make_plan, parse_size, plan_text
+
+    if args.gpus is not None and args.gpus < 1:
+        print("collage: error: --gpus: plan for at least one process", file=sys.stderr)
+        return 2
+    try:
+        memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+    except ValueError as exc:
+        print(f"collage: error: --gpu-memory: {exc}", file=sys.stderr)
+        return 2
+    config = load_config(args.config, args.set)
+    plan = make_plan(config, args.gpus, memory)
+    print(json.dumps(plan.to_json(), indent=1) if args.json else plan_text(plan, args.config))
+    return 0
 
 
 def _cmd_config_explain(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from trl import GRPOTrainer  # the dev extra: never skipped
 
 from collage.training.config import ToolSettings
 from collage.training.tools.registry import resolve_tools
@@ -27,6 +26,10 @@ QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
 
 def trl_suffix(processor, tool_message: dict) -> list[int]:
     """TRL's tool-result ids for one tool message, by TRL's own method."""
+    # the dev extra, never skipped; imported here, not at collection: TRL imports trackio, which reads its
+    # TRACKIO_DIR once at import (tests/support/trackers.py sets it first)
+    from trl import GRPOTrainer
+
     trainer = SimpleNamespace(processing_class=processor, chat_template=None, chat_template_kwargs={},
                               _is_vlm=True, _tokenizer=processor.tokenizer)  # fmt: skip
     return GRPOTrainer._get_tool_suffix_ids(trainer, [tool_message])
