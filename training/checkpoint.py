@@ -142,6 +142,18 @@ def read_info(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def staging_dir(out: Path, step: int, fresh: bool = True) -> Path:
+    """The temporary folder the checkpoint of ``step`` is written into before it is renamed into place (emptied
+    first with ``fresh``)."""
+    final = checkpoint_dir(out, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if fresh:
+        shutil.rmtree(tmp, ignore_errors=True)
+    private_dir(final.parent)
+    private_dir(tmp)
+    return tmp
+
+
 def save_checkpoint(
     out: Path,
     step: int,
@@ -151,19 +163,18 @@ def save_checkpoint(
     rank_rng: list[dict[str, Any]],
     kind: str = "full",
     metric: tuple[str, float | None] | None = None,
+    staged: bool = False,
 ) -> tuple[Path, int]:
     """Write ``checkpoints/step-<step>/`` via a temporary folder, so a crash never leaves half a checkpoint; returns
     the folder and the size of its ``model/`` (what a download or export moves). ``checkpoint.json`` beside it says
     what it is (``kind``: ``adapter`` or ``full``; ``metric``: ``(train.metric_for_best_model, value)``).
 
     A write that fails removes the temporary folder; one that failed because the disk is full raises
-    :class:`DiskFull` naming the checkpoint and the space left."""
+    :class:`DiskFull` naming the checkpoint and the space left. ``staged``: the temporary folder already holds what
+    every process wrote into it (a sharded checkpoint's shards, :func:`staging_dir`)."""
     final = checkpoint_dir(out, step)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out, step, fresh=not staged)
     try:
-        private_dir(final.parent)
-        private_dir(tmp)
         model.save_pretrained(tmp / "model")
         processor.save_pretrained(tmp / "model")
         # through a Python file: a full disk is then an OSError (ENOSPC), not torch's "iostream error"

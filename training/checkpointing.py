@@ -23,7 +23,9 @@ from .checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    staging_dir,
 )
+from .sharded_checkpoint import check_manifest, is_sharded_checkpoint, load_shards
 from .config import TrainSettings
 from .generation_batch import GenerationBatch
 from .training_error import TrainingError
@@ -94,8 +96,19 @@ class Checkpointer:
         processor: Any,
         uses_lora: bool,
         callbacks: CallbackList,
+        optimizer: Any = None,
+        ref_model: Any = None,
+        sharded: bool = False,
+        state_dict_type: str = "sharded",
     ):
         self.out = out
+        # a sharded run (FSDP2) writes shards of the weights and the optimizer state (training.sharded_checkpoint)
+        self.sharded = sharded
+        self.state_dict_type = state_dict_type  # "full": model/ holds the gathered weights too, beside the shards
+        self.optimizer = optimizer
+        self.ref_model = ref_model
+        # resume loaded the weights, the optimizer state and any moved reference from a sharded checkpoint's shards
+        self.from_shards = False
         self.train = train
         self.accelerator = accelerator
         self.model = model
@@ -126,6 +139,8 @@ class Checkpointer:
         from accelerate.utils import gather_object
 
         rngs = gather_object([rng_state()])
+        if self.sharded:
+            return self._save_sharded(step, state, rngs)
         path = None
         if self.accelerator.is_main_process and self.out is not None:
             unwrapped = self.accelerator.unwrap_model(self.model)
@@ -136,6 +151,38 @@ class Checkpointer:
             value = read_info(path) or {}
             info = CheckpointInfo(step, str(path), kind, size, value.get("metric_value"))
             self.callbacks.on_checkpoint(step, str(path), info)
+            self._apply_retention()
+        self.saved_step = step
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def _save_sharded(self, step: int, state: Callable[[], TrainerState], rngs: list[Any]) -> Path | None:
+        """Every process writes its shards into the staging folder, then the main process adds the model's config,
+        the processor, the trainer state and the manifest, and renames it into place."""
+        from .sharded_checkpoint import save_shards, write_manifest
+
+        if self.out is None:
+            return None
+        main = self.accelerator.is_main_process
+        if main:
+            staging_dir(self.out, step)
+        self.accelerator.wait_for_everyone()
+        tmp = staging_dir(self.out, step, fresh=False)
+        groups = save_shards(tmp, self.model, _torch_optimizer(self.optimizer), self.uses_lora, self.ref_model)
+        self.accelerator.wait_for_everyone()
+        path = None
+        if main:
+            write_manifest(tmp, self.accelerator.num_processes)
+            saved = {**state().to_dict(), "optimizer": {"param_groups": groups}, "ref_model": None}
+            kind = "adapter" if self.uses_lora else "full"
+            full = tmp if self.state_dict_type == "full" else None
+            config_only = _ConfigOnly(self.accelerator.unwrap_model(self.model), self.uses_lora, full)
+            path, size = save_checkpoint(
+                self.out, step, config_only, self.processor, saved, rngs, kind, self._metric(step), staged=True
+            )
+            size += size_of_shards(path)
+            value = read_info(path) or {}
+            self.callbacks.on_checkpoint(step, str(path), CheckpointInfo(step, str(path), kind, size, value.get("metric_value")))
             self._apply_retention()
         self.saved_step = step
         self.accelerator.wait_for_everyone()
@@ -177,14 +224,71 @@ class Checkpointer:
         if path is None:
             raise TrainingError(f"resume: no checkpoint in {self.out / 'checkpoints'}")
         saved = load_state(path)
-        if saved["world"] != world:
-            raise TrainingError(f"resume: the checkpoint was written by {saved['world']} processes, not {world}")
-        load_model_weights(self.accelerator.unwrap_model(self.model), path, self.uses_lora)
+        sharded = is_sharded_checkpoint(path)
+        if sharded:
+            # DCP reshards: another number of processes is fine, unless a generation batch is half used (each
+            # process holds its own part of it)
+            every = self.train.generation_steps * self.train.num_iterations
+            if saved["world"] != world and saved["micro"] % every:
+                raise TrainingError(
+                    f"resume: the checkpoint at step {saved['step']} was written by {saved['world']} processes in "
+                    f"the middle of a generation batch, which only {saved['world']} processes can take up; resume "
+                    "with as many, or from a checkpoint at a generation boundary"
+                )
+            check_manifest(path)
+            load_shards(path, self.model, _torch_optimizer(self.optimizer), saved["optimizer"]["param_groups"],
+                        self.uses_lora, self.ref_model)  # fmt: skip
+            self.from_shards = True
+        else:
+            if saved["world"] != world:
+                raise TrainingError(f"resume: the checkpoint was written by {saved['world']} processes, not {world}")
+            if self.sharded:
+                raise TrainingError(
+                    f"resume: {path} is a whole-model checkpoint of a run without resources.strategy: fsdp; resume "
+                    "it with the strategy it was written with"
+                )
+            load_model_weights(self.accelerator.unwrap_model(self.model), path, self.uses_lora)
         state = TrainerState.from_dict(saved)
         self.saved_step = state.step
         name = self.train.metric_for_best_model
         info = read_info(path) or {}
         if name is not None and info.get("metric") == name and info.get("metric_value") is not None:
             self.record = (state.step, {name: info["metric_value"]})  # a save at this step keeps the checkpoint's value
-        set_rng_state(saved["rng"][rank])
+        if rank < len(saved["rng"]):  # a process the checkpoint did not have keeps its own seeded state
+            set_rng_state(saved["rng"][rank])
         return state
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under accelerate's wrapper (what DCP's state-dict helpers take)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def size_of_shards(folder: Path) -> int:
+    from .checkpoint import folder_bytes
+
+    shards = folder / "shards"
+    return folder_bytes(shards) if shards.is_dir() else 0
+
+
+class _ConfigOnly:
+    """What a sharded checkpoint's ``model/`` holds: the model's config and generation config, or the LoRA
+    adapter's config; the weights are in the shards beside it."""
+
+    def __init__(self, model: Any, uses_lora: bool, full_from: Path | None):
+        self.model = model
+        self.uses_lora = uses_lora
+        self.full_from = full_from  # resources.fsdp.state_dict_type full: the weights gathered from these shards too
+
+    def save_pretrained(self, folder: Path) -> None:
+        from .sharded_checkpoint import write_weights
+
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.uses_lora:
+            self.model.peft_config["default"].save_pretrained(str(folder))
+        else:
+            self.model.config.save_pretrained(str(folder))
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(str(folder))
+        if self.full_from is not None:
+            write_weights(self.full_from, folder)

@@ -891,6 +891,34 @@ class LoggingSettings(_Strict):
         return list(dict.fromkeys(name for name in value if name != "none"))  # in order, each once
 
 
+class FsdpSettings(_Strict):
+    """accelerate's FSDP plugin settings Collage keeps (FSDP2 only: ``fsdp_version: 2``)."""
+
+    reshard_after_forward: bool = Field(
+        True,
+        description=(
+            "Free each block's gathered weights after its forward and gather them again for backward (ZeRO-3; "
+            "less memory); false keeps them until backward (ZeRO-2-like: one gather fewer per step, more memory)."
+        ),
+    )
+    cpu_offload: bool = Field(
+        False,
+        description=(
+            "Keep the sharded parameters, their gradients and the optimizer state in CPU memory (FSDP2's "
+            "CPUOffloadPolicy; the optimizer steps on the CPU): far less GPU memory, slower steps. A CPU run "
+            "(gpus: 0) has everything there already and ignores it."
+        ),
+    )
+    state_dict_type: Literal["sharded", "full"] = Field(
+        "sharded",
+        description=(
+            "How checkpoints are written: sharded = each process writes its own shards with "
+            "torch.distributed.checkpoint (no process ever holds the whole model; resumable with another process "
+            "count); full = the whole model gathered on the main process into a plain transformers folder."
+        ),
+    )
+
+
 class ResourceSettings(_Strict):
     gpus: int = Field(
         1, ge=0, le=1024, description="GPUs for the run: 0 = CPU; > 1 = one multi-GPU run through accelerate."
@@ -909,6 +937,18 @@ class ResourceSettings(_Strict):
         ),
     )
 
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description=(
+            "How a multi-process run shares the model: ddp = every process holds the whole policy, reference, "
+            "gradients and optimizer state; fsdp = FSDP2, each process holds 1/N of them (the policy and the "
+            "reference sharded by decoder layer and vision block). A one-process run ignores it."
+        ),
+    )
+    fsdp: FsdpSettings = Field(
+        default_factory=FsdpSettings, description="FSDP2 settings (read with strategy: fsdp)."
+    )
+
     @model_validator(mode="after")
     def _one_process_per_gpu(self) -> ResourceSettings:
         if self.gpus > 0 and self.processes is not None and self.processes != self.gpus:
@@ -922,6 +962,11 @@ class ResourceSettings(_Strict):
     def world_size(self) -> int:
         """How many training processes the run has."""
         return self.gpus if self.gpus > 0 else (self.processes or 1)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the run shards its model (FSDP2 over more than one process)."""
+        return self.strategy == "fsdp" and self.world_size > 1
 
 
 # Keys of one algorithm only (TRL's RLOOConfig has none of the GRPO ones, GRPOConfig not normalize_advantages).

@@ -16,6 +16,7 @@ from .batching.batch import ModelBatch
 from .batching.logprobs import completion_logprobs_and_entropy
 from .batching.vision import POLICY, REFERENCE, SHARED, VisionFeatures
 from .models.families import Family
+from .sharding import gathered
 
 PassModel = Literal["policy", "reference", "train"]
 
@@ -73,7 +74,8 @@ class ForwardPasses:
             self.images_encoded += sum(batch.num_images)
             return None
         before = self.vision.images_encoded
-        out = self.vision.encoder_outputs(model, batch, scope)  # no gradients, eval mode (training.batching.vision)
+        with gathered(model):  # sharded: the tower is called directly, outside the model's own forward
+            out = self.vision.encoder_outputs(model, batch, scope)  # no gradients, eval mode (training.batching.vision)
         self.images_encoded += self.vision.images_encoded - before
         return out
 

@@ -119,6 +119,33 @@ def _rope_model(model: Any) -> Any | None:
 _PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
 
+def _decode(
+    model: Any,
+    inputs: dict[str, Any],
+    cache: Any,
+    sampling: Sampling,
+    max_new_tokens: int,
+    pad: int,
+    stop: set[int],
+    protected: set[int],
+) -> Any:
+    """``model.generate`` from a filled cache (``inputs``: the ids and mask up to now, the cached columns included)."""
+    return model.generate(
+        **inputs,
+        cache=cache,
+        **sampling.generate_kwargs(),
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad,
+        eos_token_id=sorted(stop),
+        # vision tokens are never generated: fed back, they would be taken for image slots
+        suppress_tokens=sorted(protected) or None,
+        use_cache=True,
+        # transformers keeps every rank decoding in lockstep for a sharded model (an all-reduce per token); a
+        # sharded policy is gathered for the whole batch (training.sharding.gathered), so each rank stops on its own
+        synced_gpus=False,
+    )
+
+
 @torch.no_grad()
 def generate(
     model: Any,
@@ -152,17 +179,7 @@ def generate(
         text_only = {k: _repeat(kwargs[k], num_generations) for k in ("input_ids", "attention_mask")}
         if "mm_token_type_ids" in kwargs:  # Qwen-VL reads it to tell that no new image comes after the cache
             text_only["mm_token_type_ids"] = _repeat(kwargs["mm_token_type_ids"], num_generations)
-        out = model.generate(
-            **text_only,
-            cache=cache,
-            **sampling.generate_kwargs(),
-            max_new_tokens=max_completion_length,
-            pad_token_id=pad,
-            eos_token_id=sorted(stop),
-            # vision tokens are never generated: fed back, they would be taken for image slots
-            suppress_tokens=sorted(protected) or None,
-            use_cache=True,
-        )
+        out = _decode(model, text_only, cache, sampling, max_completion_length, pad, stop, protected)
     finally:
         model.train(was_training)
     mask = _repeat(kwargs["attention_mask"], num_generations) if keep_cache else None
@@ -248,29 +265,17 @@ def resume(
         head["token_type_ids"] = (ids[:, :-1] == image_token_id).long()
     rope = _rope_model(model)
     if rope is not None and state.rope_deltas is not None:
-        positions, deltas = _continued_rope(rope, state, index, cached_mask, segments, image_token_id, vision)
+        positions, rope.rope_deltas = _continued_rope(rope, state, index, cached_mask, segments, image_token_id, vision)
         head["position_ids"] = positions[..., :-1]
-        rope.rope_deltas = deltas
     else:
         head["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, cached_ids.shape[1] : -1]
-        deltas = None
     was_training = model.training
     model.eval()
     try:
         model(**head, cache=cache, use_cache=True, logits_to_keep=1)
         extra = {"mm_token_type_ids": (ids == image_token_id).long()} if family.layout == GRID else {}
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            **extra,
-            cache=cache,
-            **sampling.generate_kwargs(),
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-            eos_token_id=sorted(stop),
-            suppress_tokens=sorted(protected) or None,
-            use_cache=True,
-        )
+        out = _decode(model, {"input_ids": ids, "attention_mask": mask, **extra}, cache, sampling, max_new_tokens,
+                      pad, stop, protected)  # fmt: skip
     finally:
         model.train(was_training)
     return _completions(out, ids.shape[1], stop, max_new_tokens, cache, mask, rope)

@@ -13,6 +13,7 @@ from .batching.batch import ModelBatch
 from .config import RunConfig, TrainSettings
 from .forward_passes import ForwardPasses
 from .generation_batch import GenerationBatch
+from .sharding import full_grad_norm, is_sharded
 from .step_metrics import to_float
 from .training_error import TrainingError
 
@@ -170,7 +171,9 @@ class Optimization:
     def apply_gradients(self) -> Any:
         """The optimizer step on the accumulated gradients, clipped to ``max_grad_norm``, then the scheduler's;
         the gradient norm before clipping."""
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.train.max_grad_norm)
+        grad_norm = full_grad_norm(
+            self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.train.max_grad_norm)
+        )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -192,8 +195,8 @@ class Optimization:
     def reference_state(self) -> dict[str, torch.Tensor] | None:
         """The synchronised reference's weights for a checkpoint (``None`` when the reference never moves: it is
         then the initial policy, rebuilt on resume)."""
-        if self.ref_model is None or not self.config.train.sync_ref_model:
-            return None
+        if self.ref_model is None or not self.config.train.sync_ref_model or is_sharded(self.ref_model):
+            return None  # never moved, or sharded: a sharded run's checkpoint shards hold it
         return {k: v.detach().cpu().clone() for k, v in self.ref_model.state_dict().items()}
 
     def restore_reference(self, saved: dict[str, torch.Tensor] | None, step: int) -> None:

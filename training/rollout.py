@@ -22,6 +22,7 @@ from .batching.encoding import EncodedPrompt, PromptEncoder
 from .callbacks import RolloutImage, RolloutRow
 from .config import RunConfig, TrainSettings
 from .data.rows import Sample, image_source
+from .sharding import gathered
 from .forward_passes import ForwardPasses, batch_to_device
 from .generation import Completions, Sampling
 from .generation import backend as generation_backend
@@ -190,8 +191,10 @@ class Rollouts:
         spent sampling and scoring is added to ``timings`` (``timing/generation``, ``timing/rewards``)."""
         t = self.config.train
         repeated: list[Sample] = [s for s in samples for _ in range(t.num_generations)]
-        batch, completions, truncated, trajectories = self._generate(samples, timings)
-        old_logps, ref_logps = self._old_and_reference_logps(batch)
+        with gathered(self.model):  # sharded: the full policy once for the whole generation batch, not per token
+            batch, completions, truncated, trajectories = self._generate(samples, timings)
+            old_logps = self._old_logps(batch)
+        ref_logps = self._reference_logps(batch)  # after the policy's weights are sharded again
         if trajectories is None:
             texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
         else:
@@ -293,22 +296,25 @@ class Rollouts:
             batch.attention_mask[truncated, batch.prompt_length :] = 0
         return self._to_device(batch), completions, truncated, None
 
-    def _old_and_reference_logps(self, batch: ModelBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The policy's log-probs at generation time (when the policy moves before the batch is used up, or for
-        RLOO's KL penalty) and the reference's (when ``beta > 0``); None where not needed."""
+    def _old_logps(self, batch: ModelBatch) -> torch.Tensor | None:
+        """The policy's log-probs at generation time, when the policy moves before the batch is used up (or for
+        RLOO's KL penalty); None where not needed."""
         cfg, t = self.config, self.config.train
         generate_every = t.generation_steps * t.num_iterations
-        old_logps = None
         if t.gradient_accumulation_steps % generate_every != 0 or (cfg.algorithm == "rloo" and t.beta > 0):
-            old_logps = self.passes.batched_logps(self.model, batch, self.passes.scope("policy"))
-        ref_logps = None
-        if t.beta > 0:
-            if self.uses_lora:
-                with self.accelerator.unwrap_model(self.model).disable_adapter():
-                    ref_logps = self.passes.batched_logps(self.model, batch, self.passes.scope("reference"))
-            else:
-                ref_logps = self.passes.batched_logps(self.ref_model, batch, self.passes.scope("reference"))
-        return old_logps, ref_logps
+            return self.passes.batched_logps(self.model, batch, self.passes.scope("policy"))
+        return None
+
+    def _reference_logps(self, batch: ModelBatch) -> torch.Tensor | None:
+        """The reference's log-probs (when ``beta > 0``): the policy with its adapters off under LoRA, else the
+        frozen copy; each gathered once for the batch when sharded."""
+        if self.config.train.beta <= 0:
+            return None
+        if self.uses_lora:
+            with gathered(self.model), self.accelerator.unwrap_model(self.model).disable_adapter():
+                return self.passes.batched_logps(self.model, batch, self.passes.scope("reference"))
+        with gathered(self.ref_model):
+            return self.passes.batched_logps(self.ref_model, batch, self.passes.scope("reference"))
 
     def _score(
         self,

@@ -53,6 +53,8 @@ from .modeling import prepare_policy, reference_model, trainable_vision_params
 from .models.loading import load_model, load_processor
 from .optimization import Optimization, loss_metrics, loss_settings
 from .rewards import Reward, RewardError, resolve_reward, score
+from .batching.forward import base_model
+from .sharding import broadcast_from_first, gathered, shard
 from .rollout import Rollouts, multi_turn, reward_batch, rollout_image, turn_limits, turn_samplers
 from .step_metrics import mean_dicts, to_float
 from .step_timing import RecentStepTime
@@ -194,6 +196,16 @@ class Trainer:
         self.loss_settings = loss_settings(t, self.world)
         self._pending_events.extend(("warning", message) for message in option_warnings(cfg))
         model = prepare_policy(model, cfg.model, t.gradient_checkpointing)
+        # FSDP2 (resources.strategy: fsdp) shards before the optimizer is built: it replaces the parameters
+        self.sharded = cfg.resources.strategy == "fsdp" and self.world > 1
+        self.shard_plan = None
+        if self.sharded:
+            fsdp = cfg.resources.fsdp
+            if self.uses_lora:  # the adapters start at random, the base weights as read from disk on every process
+                broadcast_from_first([p for p in model.parameters() if p.requires_grad], self.accelerator.device)
+            self.shard_plan = shard(base_model(model), fsdp.reshard_after_forward, fsdp.cpu_offload, self.accelerator.device)
+            if self.ref_model is not None:
+                shard(self.ref_model, True, fsdp.cpu_offload, self.accelerator.device)
         params = [p for p in model.parameters() if p.requires_grad]
         decay = t.weight_decay
         self.optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=decay)
@@ -202,9 +214,12 @@ class Trainer:
         self.scheduler = get_scheduler(
             t.lr_scheduler_type, self.optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps
         )
-        self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
-        if self.ref_model is not None:
-            self.ref_model.to(self.accelerator.device)
+        if self.sharded:  # already placed and sharded: accelerate must not wrap it in DDP as well
+            self.model, self.optimizer = model, self.accelerator.prepare(self.optimizer)
+        else:
+            self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+            if self.ref_model is not None:
+                self.ref_model.to(self.accelerator.device)
         self.vision_params = trainable_vision_params(self.accelerator.unwrap_model(self.model))
 
     def _build_collaborators(self) -> None:
@@ -255,6 +270,10 @@ class Trainer:
             self.processor,
             uses_lora=self.uses_lora,
             callbacks=self.callbacks,
+            optimizer=self.optimizer,
+            ref_model=self.ref_model if t.sync_ref_model else None,
+            sharded=self.sharded,
+            state_dict_type=cfg.resources.fsdp.state_dict_type,
         )
         # an evaluation's own feature cache: training's (which a generation batch may still need) is never touched
         self.eval_vision = VisionFeatures(self.family)
@@ -547,7 +566,7 @@ class Trainer:
         backend = generation_backend(t.generation_backend)
 
         trajectories = None
-        with torch.no_grad():
+        with torch.no_grad(), gathered(self.model):  # sharded: the full weights once for the whole batch
             prompts = self._to_device(collate(encoded, self.family, self.tokenizer.pad_token_id))
             self.eval_vision.clear()
             if self.engine is None:
@@ -693,7 +712,8 @@ class Trainer:
     def _restore(self) -> None:
         """Take the run up where its newest checkpoint left it."""
         state = self.checkpoints.resume(self.world, self.rank)  # the policy's weights and the random state too
-        self.optimizer.load_state_dict(state.optimizer)
+        if not self.checkpoints.from_shards:  # else the shards already hold the optimizer state (and the reference)
+            self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.step, self.micro, self.data_order.position = state.step, state.micro, state.position
         self.rollouts.num_tokens = state.num_tokens
@@ -702,7 +722,8 @@ class Trainer:
         if self.buffer is not None:
             self.buffer.batch = self._to_device(self.buffer.batch)
         self.resumed_from = self.step
-        self.optimization.restore_reference(state.ref_model, self.step)
+        if not self.checkpoints.from_shards:
+            self.optimization.restore_reference(state.ref_model, self.step)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainResult:
@@ -868,7 +889,7 @@ class Trainer:
 
     def _check_replicas(self, callbacks: CallbackList) -> None:
         """With several processes, confirm every replica holds the same parameters at the end."""
-        if self.world == 1:
+        if self.world == 1 or self.sharded:  # a sharded run's processes hold different shards by design
             return
         digest = hashlib.sha256()
         for _, p in sorted(self.accelerator.unwrap_model(self.model).named_parameters()):
