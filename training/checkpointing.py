@@ -25,9 +25,9 @@ from .checkpoint import (
     set_rng_state,
     staging_dir,
 )
-from .sharded_checkpoint import check_manifest, is_sharded_checkpoint, load_shards
 from .config import TrainSettings
 from .generation_batch import GenerationBatch
+from .sharded_checkpoint import check_manifest, is_sharded_checkpoint, load_shards
 from .training_error import TrainingError
 
 
@@ -182,7 +182,9 @@ class Checkpointer:
             )
             size += size_of_shards(path)
             value = read_info(path) or {}
-            self.callbacks.on_checkpoint(step, str(path), CheckpointInfo(step, str(path), kind, size, value.get("metric_value")))
+            self.callbacks.on_checkpoint(
+                step, str(path), CheckpointInfo(step, str(path), kind, size, value.get("metric_value"))
+            )
             self._apply_retention()
         self.saved_step = step
         self.accelerator.wait_for_everyone()

@@ -945,9 +945,7 @@ class ResourceSettings(_Strict):
             "reference sharded by decoder layer and vision block). A one-process run ignores it."
         ),
     )
-    fsdp: FsdpSettings = Field(
-        default_factory=FsdpSettings, description="FSDP2 settings (read with strategy: fsdp)."
-    )
+    fsdp: FsdpSettings = Field(default_factory=FsdpSettings, description="FSDP2 settings (read with strategy: fsdp).")
 
     @model_validator(mode="after")
     def _one_process_per_gpu(self) -> ResourceSettings:

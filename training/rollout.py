@@ -22,7 +22,6 @@ from .batching.encoding import EncodedPrompt, PromptEncoder
 from .callbacks import RolloutImage, RolloutRow
 from .config import RunConfig, TrainSettings
 from .data.rows import Sample, image_source
-from .sharding import gathered
 from .forward_passes import ForwardPasses, batch_to_device
 from .generation import Completions, Sampling
 from .generation import backend as generation_backend
@@ -31,6 +30,7 @@ from .generation import resume as resume_generation
 from .generation_batch import GenerationBatch
 from .models.families import Family
 from .rewards import Reward, RewardBatch, score
+from .sharding import gathered
 from .step_metrics import float_or_none, to_float
 from .tools.multiturn import MultiTurnEngine, Trajectory, TurnLimits
 from .tools.report import tool_metrics, tool_stats, trajectory_turns

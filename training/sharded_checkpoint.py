@@ -53,7 +53,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _PLAIN:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
+        ):
             return getattr(torch, name)
         if module.startswith("torch.distributed.checkpoint."):
             found = super().find_class(module, name)
@@ -240,5 +242,7 @@ def write_weights(folder: Path, dest: Path) -> None:
     model = AutoModelForImageTextToText.from_config(config, dtype=dtypes.pop() if len(dtypes) == 1 else None)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if missing or unexpected:
-        raise InputError(f"{folder}: the shards do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise InputError(
+            f"{folder}: the shards do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     model.save_pretrained(dest)

@@ -31,6 +31,7 @@ import torch
 from . import algorithms as alg
 from .batching.batch import ModelBatch, collate
 from .batching.encoding import PromptEncoder
+from .batching.forward import base_model
 from .batching.vision import POLICY, VisionFeatures
 from .callbacks import Callback, CallbackList, RolloutImage, RolloutRow
 from .checkpoint import rng_state, set_rng_state
@@ -53,9 +54,8 @@ from .modeling import prepare_policy, reference_model, trainable_vision_params
 from .models.loading import load_model, load_processor
 from .optimization import Optimization, loss_metrics, loss_settings
 from .rewards import Reward, RewardError, resolve_reward, score
-from .batching.forward import base_model
-from .sharding import broadcast_from_first, gathered, shard
 from .rollout import Rollouts, multi_turn, reward_batch, rollout_image, turn_limits, turn_samplers
+from .sharding import broadcast_from_first, gathered, shard
 from .step_metrics import mean_dicts, to_float
 from .step_timing import RecentStepTime
 from .tools.multiturn import MultiTurnEngine, resolve_run_tools
@@ -203,7 +203,9 @@ class Trainer:
             fsdp = cfg.resources.fsdp
             if self.uses_lora:  # the adapters start at random, the base weights as read from disk on every process
                 broadcast_from_first([p for p in model.parameters() if p.requires_grad], self.accelerator.device)
-            self.shard_plan = shard(base_model(model), fsdp.reshard_after_forward, fsdp.cpu_offload, self.accelerator.device)
+            self.shard_plan = shard(
+                base_model(model), fsdp.reshard_after_forward, fsdp.cpu_offload, self.accelerator.device
+            )
             if self.ref_model is not None:
                 shard(self.ref_model, True, fsdp.cpu_offload, self.accelerator.device)
         params = [p for p in model.parameters() if p.requires_grad]
