@@ -117,12 +117,18 @@ def export_checkpoint(
     say(0.02, "reading the checkpoint")
     plain_files(model_dir)  # refuse links before anything reads a file
     kind = checkpoint_kind(model_dir)
+    scratch = out.parent / f".{out.name}.shards-{uuid.uuid4().hex[:8]}"
     if merge_lora and kind != "adapter":
         raise ExportError(f"{folder}: a full model checkpoint has no LoRA adapter to merge (drop --merge-lora)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
+        from .sharded_checkpoint import with_weights
+
+        if not _has_weights(model_dir):
+            say(0.05, "gathering the shards")
+        model_dir = with_weights(model_dir, scratch)  # a sharded checkpoint: its shards as one model first
         if kind == "full":
             say(0.1, "copying the model")
             _copy(model_dir, tmp)
@@ -143,8 +149,14 @@ def export_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     say(1.0, "exported")
     return ExportResult(out, kind, merge_lora, size)
+
+
+def _has_weights(model_dir: Path) -> bool:
+    return any(model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin"))
 
 
 def _base_folder(base_model: str) -> str:

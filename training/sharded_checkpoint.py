@@ -214,6 +214,22 @@ def has_weights(model_dir: Path) -> bool:
     return any(model_dir.glob("*.safetensors"))
 
 
+def with_weights(model_dir: Path, scratch: Path) -> Path:
+    """A checkpoint's ``model/`` folder as one that holds its weights: ``model_dir`` itself, or for a sharded
+    checkpoint's (configs only) its shards consolidated into ``scratch/model`` (made once; reused after)."""
+    folder = model_dir.parent
+    if has_weights(model_dir) or not is_sharded_checkpoint(folder):
+        return model_dir
+    dest = scratch / "model"
+    if not (dest / ".complete").is_file():
+        import shutil
+
+        shutil.rmtree(dest, ignore_errors=True)
+        consolidate(folder, dest)
+        (dest / ".complete").write_text("", encoding="utf-8")
+    return dest
+
+
 def consolidate(folder: Path, dest: Path) -> None:
     """Write into ``dest`` the ``model/`` folder a DDP checkpoint of the same run holds: the full model's
     safetensors (built from the config beside the shards) or the LoRA adapter's ``adapter_model.safetensors``."""

@@ -724,6 +724,13 @@ class Trainer:
         if self.buffer is not None:
             self.buffer.batch = self._to_device(self.buffer.batch)
         self.resumed_from = self.step
+        if state.world != self.world:  # only a sharded checkpoint gets here (training.checkpointing)
+            t = self.config.train
+            self._pending_events.append(("warning", (
+                f"resumed on {self.world} process(es) from a checkpoint of {state.world}: each step now draws "
+                f"{t.generation_batch_size * self.world // t.num_generations} prompts (it drew "
+                f"{t.generation_batch_size * state.world // t.num_generations}); to keep the batch, scale "
+                "train.per_device_train_batch_size or steps_per_generation by the same factor")))  # fmt: skip
         if not self.checkpoints.from_shards:
             self.optimization.restore_reference(state.ref_model, self.step)
 

@@ -27,6 +27,7 @@ carries every turn (``trajectory``: texts, tool calls, errors, tool images as ba
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import math
 import os
@@ -48,6 +49,25 @@ MAX_IMAGES_PER_ROLLOUT = 16  # with tools, for a base model: train.max_images_pe
 TOOL_IMAGE_SIDE = 512  # a tool image in the answer: at most this many pixels a side (for showing)
 TOOL_IMAGE_BYTES = 6 << 20  # base64 PNG bytes of tool images one model's answer carries (a job result is a row)
 TURN_TEXT_CHARS = 20_000  # characters of one turn's text in the answer (a tool of the operator's may say a lot)
+
+
+_SCRATCH: list[Path] = []  # this process's folder for consolidated sharded checkpoints (removed at exit)
+
+
+def _with_weights(model_dir: Path, key: Any) -> Path:
+    """A sharded checkpoint's ``model/`` holds configs only: its shards consolidated once into this process's
+    scratch folder (training.sharded_checkpoint); any other folder as it is."""
+    from collage.training.sharded_checkpoint import with_weights
+
+    if not _SCRATCH:
+        import atexit
+        import shutil
+        import tempfile
+
+        _SCRATCH.append(Path(tempfile.mkdtemp(prefix="collage-playground-")))
+        atexit.register(shutil.rmtree, _SCRATCH[0], True)
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    return with_weights(model_dir, _SCRATCH[0] / digest)
 
 
 class Failed(WorkerError):
@@ -177,6 +197,8 @@ class Playground:
                 )
         dtype = spec.get("dtype") or "auto"
         try:
+            if kind != "base":
+                path = str(_with_weights(Path(path), key))
             if kind == "adapter":
                 from peft import PeftModel
 

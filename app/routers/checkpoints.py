@@ -131,9 +131,13 @@ def download_checkpoint(
     slots: ExportSlotsDep,
 ) -> SlotStream:
     """The model folder of the checkpoint at `step` (a number, `best` or `last`) as a tar archive, streamed: a
-    folder `<run>-step-<N>/` holding the weights (or the LoRA adapter), the config and the processor's files."""
+    folder `<run>-step-<N>/` holding the weights (or the LoRA adapter), the config and the processor's files. A
+    sharded checkpoint (`resources.strategy: fsdp`) whose model folder holds no weights comes as written, shards and
+    manifest included (`collage export` or the export job consolidates it into a plain folder)."""
     asked = asked_step(step)
     run = get_run_or_404(session, run_id)
     entry = resolve(session, run, asked)
     root = model_folder(entry, settings.artifacts, run.id, settings.mirror())
+    if (root.parent / store.SHARDS).is_dir() and not any(root.glob("*.safetensors")):
+        root = root.parent  # the weights are only in the shards: the checkpoint as written
     return tar_response(slots, settings, root, f"{run.id}-step-{entry.step}")

@@ -37,6 +37,7 @@ StepChoice = int | Literal["best", "last"]
 INT_MAX = 2**31 - 1  # steps are 32-bit integers in the store
 STEP_TEXT = re.compile(r"^(\d{1,10}|best|last)\Z")
 MODEL_FOLDER = "model"  # what a download or an export moves: the weights (or adapter) and the processor
+SHARDS = "shards"  # a sharded checkpoint's torch.distributed.checkpoint files (training.sharded_checkpoint)
 RUNS_FOLDER = "runs"  # artifacts/runs/<run id>/attempt-<n>/checkpoints/step-<N>/ (worker/child.py run_dir)
 INFO_FILE = "checkpoint.json"  # training/checkpoint.py's INFO_FILE, read here without importing torch
 
