@@ -103,8 +103,17 @@ def _distributed() -> bool:
 def _load(target: dict[str, Any], shards: Path, alone: bool = False) -> None:
     """Read ``target``'s tensors from the shards: every process of the run together, or this one ``alone``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.load(target, storage_reader=_reader(shards), planner=_planner(), no_dist=alone or not _distributed())
+    try:
+        dcp.load(target, storage_reader=_reader(shards), planner=_planner(), no_dist=alone or not _distributed())
+    except CheckpointException as exc:  # DCP wraps each rank's error: a refusal stays a refusal
+        causes = [failure[0] for failure in exc.failures.values()]
+        for cause in causes:
+            if isinstance(cause, CheckpointRefused):
+                raise cause from exc
+        first = str(causes[0]).strip().splitlines()[0][:300] if causes else str(exc)[:300]
+        raise InputError(f"{shards}: the checkpoint shards could not be read: {first}") from exc
 
 
 # ------------------------------------------------------------------------------------------------ run side
@@ -132,11 +141,12 @@ def save_shards(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(adapter_only))
-    state = {"model": model_state, "optim": optim_state["state"]}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state["state"]}
     if reference is not None:  # a reference that sync_ref_model moves is part of the run's state
         state["reference"] = _reference_state(reference)
     dcp.save(state, storage_writer=FileSystemWriter(str(folder / SHARDS)), no_dist=not _distributed())
-    return optim_state["param_groups"]
+    groups: list[dict[str, Any]] = list(optim_state["param_groups"])  # type: ignore[arg-type]  # a list there
+    return groups
 
 
 def load_shards(
@@ -152,7 +162,7 @@ def load_shards(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(adapter_only))
-    target = {"model": model_state, "optim": optim_state["state"]}
+    target: dict[str, Any] = {"model": model_state, "optim": optim_state["state"]}
     keys = _reader(folder / SHARDS).read_metadata().state_dict_metadata
     with_reference = reference is not None and any(k.startswith("reference.") for k in keys)
     if with_reference:

@@ -376,21 +376,61 @@ def test_a_run_whose_sqlite_broker_message_was_lost_is_sent_again_and_runs_once_
     _lost_message_is_sent_again(embedded, lambda: _lose_messages(embedded))
 
 
-def test_a_two_process_cpu_run_trains_on_the_worker_and_cancels_with_a_checkpoint(cluster):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_two_process_cpu_run_trains_on_the_worker_and_cancels_with_a_checkpoint(cluster, strategy):
     """``resources.processes: 2`` with ``gpus: 0``: the worker launches two gloo ranks as it launches a multi-GPU
     run; both ranks' rollouts reach the store, the main rank writes the rest, and a cancel stops both ranks with
-    a checkpoint of the step they reached."""
+    a checkpoint of the step they reached (with FSDP2 a sharded one: each rank's shards and the manifest)."""
     cluster.start_worker("w1")
-    done = cluster.submit(max_steps=2, resources={"gpus": 0, "processes": 2})
+    resources = {"gpus": 0, "processes": 2, "strategy": strategy}
+    done = cluster.submit(max_steps=2, resources=resources)
     run = cluster.wait_status(done, ("succeeded", "failed"), timeout=300)
     assert run["status"] == "succeeded", (run["error"], cluster.events(done))
     assert cluster.metric_steps(done) == [1, 2]
     samples = cluster.client.get(f"{API}/runs/{done}/samples", params={"limit": 500}).json()["items"]
     assert len(samples) == 2 * 2 * 8  # steps x ranks x rollouts per rank
     assert not [m for m in cluster.events(done) if "training processes" in m]  # no launch warning: both ran
-    slow = cluster.submit(max_steps=40, delay=0.4, resources={"gpus": 0, "processes": 2})
+    slow = cluster.submit(max_steps=40, delay=0.4, resources=resources)
     cluster.wait_step(slow, 1, timeout=300)
     assert cluster.client.post(f"{API}/runs/{slow}/cancel").status_code == 200
     run = cluster.wait_status(slow, ("cancelled", "failed", "succeeded"), timeout=180)
     assert run["status"] == "cancelled", cluster.events(slow)
     assert cluster.count(Checkpoint, Checkpoint.run_id == slow) >= 1
+    with Session(cluster.engine) as session:
+        path = session.scalars(select(Checkpoint.path).where(Checkpoint.run_id == slow)).first()
+    folder = Path(path) if Path(path).is_absolute() else cluster.settings.artifacts / path
+    assert (folder / "manifest.json").is_file() == (strategy == "fsdp"), sorted(p.name for p in folder.iterdir())
+
+
+def _ranks(run_id: str) -> dict[int, int]:
+    """The training ranks of a run on this machine, ``{rank: pid}`` (from each process's environment)."""
+    found = {}
+    for pid in subprocess.run(["pgrep", "-f", f"collage.worker.child {run_id}"], capture_output=True,
+                              text=True).stdout.split():  # fmt: skip
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+        if ranks:
+            found[int(ranks[0])] = int(pid)
+    return found
+
+
+def test_a_killed_rank_of_a_sharded_run_fails_the_attempt_and_it_resumes_from_its_shards(cluster):
+    """kill -9 of one FSDP2 rank: the attempt fails within the heartbeat bound, every rank ends, and the resumed
+    attempt continues from the newest sharded checkpoint to the end."""
+    cluster.start_worker("w1")
+    run_id = cluster.submit(max_steps=6, delay=0.4, resources={"gpus": 0, "processes": 2, "strategy": "fsdp"})
+    cluster.wait_step(run_id, 3, timeout=300)  # past the checkpoint of step 2 (save_steps: 2)
+    ranks = wait_for(lambda: (r := _ranks(run_id)) and len(r) == 2 and r, "both ranks to run", timeout=60)
+    os.kill(ranks[1], signal.SIGKILL)
+    run = cluster.wait_status(run_id, ("failed",), timeout=HEARTBEAT + 30)
+    assert run["error"]
+    wait_for(lambda: not _ranks(run_id), "every rank of the failed attempt to end", timeout=HEARTBEAT)
+    response = cluster.client.post(f"{API}/runs/{run_id}/resume")
+    assert response.status_code == 200 and response.json()["attempt"] == 2
+    run = cluster.wait_status(run_id, ("succeeded", "failed"), timeout=300)
+    assert run["status"] == "succeeded", (run["error"], cluster.events(run_id))
+    assert cluster.metric_steps(run_id) == list(range(1, 7))
+    assert any("resumed from checkpoint at step" in m for m in cluster.events(run_id))
