@@ -10,9 +10,9 @@ processors it loaded (per model, reloaded when a local model's files change), an
 ended), giving the memory back.
 
 Requests: ``{"op": "warm", "wait": false}`` (import the stack in the background; answered at once unless
-``wait``), ``{"op": "check", "source", "split", "model",
-"max_prompt_length", "synth": {...}}`` (the ``collage data check --json`` report), ``{"op": "preview", "source",
-"split", "rows", "artifacts", "synth": {...}, "max_images", "max_bytes"}`` (the ``collage data preview`` rows,
+``wait``), ``{"op": "check", "source", "split", "model", "max_prompt_length", "synth": {...}}`` (the ``collage data
+check --json`` report), ``{"op": "plan", "config", "processes", "gpu_memory"}`` (the ``collage plan --json``
+figures), ``{"op": "preview", "source", "split", "rows", "artifacts", "synth": {...}, "max_images", "max_bytes"}`` (the ``collage data preview`` rows,
 images written under ``artifacts``; it reads only the rows it shows and stops at the image and byte bounds).
 Both carry ``data_roots``, the folders image paths inside rows must lie under: the web process sends its
 Settings' roots and the helper believes nothing else (no roots: no image path is allowed). Answers: ``{"ok":
@@ -258,7 +258,17 @@ def probe(req: dict[str, Any]) -> dict[str, Any]:
             "errors": errors[:5]}  # fmt: skip
 
 
-OPS = {"warm": lambda req: warm(bool(req.get("wait"))), "check": check, "preview": preview, "probe": probe}
+def plan(req: dict[str, Any]) -> dict[str, Any]:
+    """``collage plan``'s figures for a run config the web process validated (validated again here)."""
+    _stack_ready()
+    from collage.training.config import parse_config
+    from collage.training.memory_plan import make_plan
+
+    return make_plan(parse_config(req["config"]), req.get("processes"), req.get("gpu_memory")).to_json()
+
+
+OPS = {"warm": lambda req: warm(bool(req.get("wait"))), "check": check, "preview": preview, "probe": probe,
+       "plan": plan}  # fmt: skip
 
 
 def _one_line(exc: BaseException) -> str:

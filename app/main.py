@@ -156,6 +156,7 @@ def _include_api_routers(app: FastAPI) -> None:
         exports,
         health,
         images,
+        plan,
         playground,
         runs,
         samples,
@@ -167,6 +168,7 @@ def _include_api_routers(app: FastAPI) -> None:
     routers: tuple[ModuleType, ...] = (health, runs, samples, stats, images, datasets, catalog, tokens, workers)
     routers += (checkpoints, exports)  # a run's checkpoints, their downloads and export jobs (issue 18)
     routers += (playground,)
+    routers += (plan,)  # the memory plan before launch (issue 29)
     for module in routers:
         app.include_router(module.router, prefix=API)
 

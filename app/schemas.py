@@ -14,6 +14,7 @@ from collage.training.config import (
     TEMPLATE_MAX,
     TOKENS_MAX,
     ColumnMap,
+    RunConfig,
     json_problem,
     no_nul,
 )
@@ -678,3 +679,65 @@ class UploadsOut(BaseModel):
     items: list[UploadOut]
     used_bytes: int
     quota_bytes: int
+
+
+# ------------------------------------------------------------------------------------------------ memory plan
+class PlanRequest(BaseModel):
+    """``POST /plan``: a run config as ``POST /runs`` takes it, and the machine to judge it against."""
+
+    config: RunConfig = Field(description="a whole run config (validated as POST /runs validates it)")
+    gpus: int | None = Field(None, ge=1, le=1024, description="processes to plan for; empty: the config's")
+    gpu_memory: str | None = Field(
+        None, max_length=32, description="memory of one GPU (80GiB, 141GB, ...); empty: fits is not judged"
+    )
+
+
+class PlanModelOut(BaseModel):
+    model_type: str
+    parameters: int
+    trainable: int
+    vision_parameters: int
+    largest_layer: int = Field(description="parameters of the largest decoder layer or vision block")
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_width: int = Field(description="key/value heads x head dim")
+    vocab: int
+    dtype_bytes: int
+
+
+class PlanRunOut(BaseModel):
+    processes: int
+    micro_batch: int
+    sequence: int = Field(description="max_prompt_length + max_completion_length")
+    rollouts_per_process: int
+    beta: float
+    lora: bool
+    gradient_checkpointing: bool
+
+
+class PlanStrategyOut(BaseModel):
+    """Bytes per process for one strategy (``ddp``, ``fsdp``, ``fsdp+offload``); docs/scaling.md has the formula."""
+
+    strategy: str
+    parameters: int
+    gradients: int
+    optimizer: int
+    reference: int
+    gathered: int = Field(description="FSDP: full layers gathered at once while training")
+    activations: int
+    logits: int
+    generation_cache: int
+    generation_weights: int = Field(description="what generating adds: FSDP gathers the whole policy")
+    host: int = Field(description="bytes offloaded to host memory")
+    training_peak: int
+    generation_peak: int
+    peak: int
+    fits: bool | None = Field(description="peak within gpu_memory; null when no gpu_memory was given")
+
+
+class PlanOut(BaseModel):
+    model: PlanModelOut
+    run: PlanRunOut
+    gpu_memory: int | None
+    strategies: list[PlanStrategyOut]

@@ -248,6 +248,42 @@
     return typeof detail === "string" ? detail : detail.map(d => `${d.path}: ${d.message}`).join("; ");
   }
 
+  function gib(bytes) { return (bytes / 2 ** 30).toFixed(2) + " GiB"; }
+
+  const PLAN_PARTS = ["parameters", "gradients", "optimizer", "reference", "gathered", "activations", "logits",
+    "generation_cache", "generation_weights", "host", "training_peak", "generation_peak", "peak"];
+
+  function planNodes(plan) {
+    // one column per strategy, one row per part (POST /plan: collage plan's figures)
+    const m = plan.model, s = plan.strategies;
+    const cell = (tag, text, cls) => el(tag, cls ? { class: cls, text } : { text });
+    const head = el("tr", {}, cell("th", "per process"), ...s.map(f => cell("th", f.strategy)));
+    const rows = PLAN_PARTS.map(p => el("tr", {}, cell("th", p.replace(/_/g, " ")), ...s.map(f => cell("td", gib(f[p])))));
+    if (plan.gpu_memory != null) {
+      rows.push(el("tr", {}, cell("th", `fits ${gib(plan.gpu_memory)}`),
+        ...s.map(f => cell("td", f.fits ? "yes" : "no", f.fits ? "fits" : "error"))));
+    }
+    const about = `${m.model_type}: ${(m.parameters / 1e9).toFixed(3)}B parameters, ${(m.trainable / 1e9).toFixed(3)}B ` +
+      `trainable, on ${plan.run.processes} process${plan.run.processes === 1 ? "" : "es"}`;
+    return [el("p", { text: about }), el("table", { class: "plan-table" }, el("thead", {}, head), el("tbody", {}, ...rows))];
+  }
+
+  async function memoryPlan() {
+    const box = document.getElementById("plan");
+    const button = document.getElementById("plan-btn");
+    const memory = document.getElementById("plan-memory").value.trim();
+    button.disabled = true;
+    box.replaceChildren(el("p", { class: "muted", text: "planning…" }));
+    try {
+      const plan = await api("/plan", { method: "POST", body: { config: config(), gpu_memory: memory || null } });
+      box.replaceChildren(...planNodes(plan));
+    } catch (err) {
+      box.replaceChildren(el("p", { class: "error", text: errorText(err) }));
+    } finally {
+      button.disabled = false;
+    }
+  }
+
   async function preview() {
     const box = document.getElementById("preview");
     const button = document.getElementById("preview-btn");
@@ -398,6 +434,7 @@
   document.getElementById("lora-on").addEventListener("change", e => { document.getElementById("lora").hidden = !e.target.checked; });
   document.getElementById("add-reward").addEventListener("click", () => addReward());
   document.getElementById("preview-btn").addEventListener("click", preview);
+  document.getElementById("plan-btn").addEventListener("click", memoryPlan);
   document.getElementById("yaml-btn").addEventListener("click", () => {
     const pre = document.getElementById("yaml");
     pre.textContent = toYaml(config()).trimStart();

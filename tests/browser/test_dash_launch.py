@@ -16,6 +16,7 @@ import yaml
 from PIL import Image
 
 from tests.support.browser import login, shoot, wait_js
+from tests.support.waiting import scaled
 
 SYNTH_ONLY = ("rows", "min_images", "max_images", "seed")
 # the old form (every field open, one card after the other) was 4,802 px long at 1400x900; this one is about 1,300
@@ -255,5 +256,25 @@ def test_the_tools_group_sends_the_tools_and_a_refused_one_is_marked_at_its_inpu
         marked = page.evaluate("[...document.querySelectorAll('#launch [aria-invalid=\"true\"]')].map(e => e.id)")
         assert marked == ["tool-imports"], marked
         assert [e for e in page.errors if "status of 422" not in e] == [], page.errors
+    finally:
+        context.close()
+
+
+def test_the_memory_plan_of_the_form_s_config_is_shown_per_strategy(browser, server):
+    """The launch form's Memory plan asks POST /plan for the config the form would launch: one column per
+    strategy (DDP, and FSDP2 with and without offload once the run has two processes), and whether each fits."""
+    context, page = login(browser, server)
+    try:
+        page.goto(server["base"] + "/launch")
+        page.wait_for_selector(".reward")
+        page.click("#plan-group > summary")
+        page.fill("#plan-memory", "1GiB")
+        page.click("#plan-btn")
+        page.wait_for_selector("#plan table.plan-table", timeout=scaled(120_000))
+        heads = page.locator("#plan thead th").all_inner_texts()
+        assert heads == ["per process", "ddp"], heads  # the form's default: one process
+        rows = page.locator("#plan tbody th").all_inner_texts()
+        assert rows[0] == "parameters" and rows[-1] == "fits 1.00 GiB", rows
+        assert "parameters" in page.inner_text("#plan p") and not page.errors, page.errors
     finally:
         context.close()

@@ -8,8 +8,9 @@ import json
 import subprocess
 import sys
 
-from tests.support import API
+from tests.support import API, ROOT
 from tests.support.api import png
+from tests.support.waiting import scaled
 
 
 def test_dataset_check_and_preview(api, tmp_path):
@@ -69,3 +70,29 @@ def test_the_web_app_does_not_load_the_training_stack():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_memory_plan_of_a_config_is_collage_plan_s_figures(api, tmp_path):
+    """``POST /plan`` answers what ``collage plan --json`` prints for the same config (the dataset helper builds the
+    model on the meta device); an invalid config is a 422 naming the key, a refused model path a 400."""
+    import yaml
+
+    client, _, _, _ = api
+    config = yaml.safe_load((ROOT / "examples" / "grpo-count-red.yaml").read_text())
+    config["resources"] = {"gpus": 0, "processes": 2, "strategy": "fsdp"}
+    answer = client.post(API + "/plan", json={"config": config, "gpu_memory": "1GiB"})
+    assert answer.status_code == 200, answer.text
+    plan = answer.json()
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    cli = subprocess.run([sys.executable, "-m", "collage.app.cli", "plan", str(tmp_path / "run.yaml"), "--gpu-memory",
+                          "1GiB", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=scaled(300))  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert plan == json.loads(cli.stdout)
+    assert [s["strategy"] for s in plan["strategies"]] == ["ddp", "fsdp", "fsdp+offload"]
+    ddp, fsdp = plan["strategies"][:2]
+    assert fsdp["parameters"] < ddp["parameters"] and plan["run"]["processes"] == 2 and ddp["fits"] is True
+    bad = client.post(API + "/plan", json={"config": {**config, "train": {"learning_rate": -1}}})
+    assert bad.status_code == 422 and "learning_rate" in bad.text
+    outside = client.post(API + "/plan", json={"config": {**config, "model": {"path": "/etc"}}})
+    assert outside.status_code == 400 and "config.model.path" in outside.json()["detail"]
+    assert client.post(API + "/plan", json={"config": config, "gpu_memory": "80 furlongs"}).status_code == 422
