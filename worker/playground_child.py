@@ -300,11 +300,19 @@ class Playground:
         sums = (logps.float() * full.completion_mask).sum(-1).tolist()
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completions.ids]
         stop.check()
+        completed = [
+            {"text": text, "tokens": len(ids), "truncated": cut, "logprob": _finite(lp), "reward": None}
+            for text, ids, cut, lp in zip(texts, completions.ids, completions.truncated, sums, strict=True)
+        ]
+        return self._answer(req, sample, encoded, loaded, reused, tic, completed, completions.ids)
+
+    def _answer(
+        self, req: dict[str, Any], sample: Any, encoded: Any, loaded: Loaded, reused: bool, tic: float,
+        completions: list[dict[str, Any]], ids: list[list[int]], turns: list[Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """A generation's answer: its completions, scored when the request has an answer to score against."""
         result: dict[str, Any] = {
-            "completions": [
-                {"text": text, "tokens": len(ids), "truncated": cut, "logprob": _finite(lp), "reward": None}
-                for text, ids, cut, lp in zip(texts, completions.ids, completions.truncated, sums, strict=True)
-            ],
+            "completions": completions,
             "rewards": None,
             "reward_weights": None,
             "reward_errors": None,
@@ -316,7 +324,8 @@ class Playground:
         }
         if req.get("answer") is not None:
             self.emit({"event": "scoring"})
-            self._score(req, sample, texts, completions.ids, result)
+            texts = [c["text"] for c in completions]
+            self._score(req, sample, texts, ids, result, turns)
         result["seconds"] = round(time.perf_counter() - tic, 3)
         return result
 
@@ -388,32 +397,18 @@ class Playground:
         texts = [t.completion_text for t in trajectories]
         ids = [t.generated_ids for t in trajectories]
         budget = [TOOL_IMAGE_BYTES]
-        result: dict[str, Any] = {
-            "completions": [
-                {
-                    "text": text,
-                    "tokens": len(own),
-                    "truncated": t.truncated,
-                    "logprob": _finite(lp),
-                    "reward": None,
-                    "trajectory": trajectory_json(t, budget),
-                }
-                for text, own, t, lp in zip(texts, ids, trajectories, sums, strict=True)
-            ],  # fmt: skip
-            "rewards": None,
-            "reward_weights": None,
-            "reward_errors": None,
-            "prompt_tokens": len(encoded.input_ids),
-            "image_tokens": encoded.num_image_tokens,
-            "reused": reused,
-            "device": str(loaded.device),
-            "pid": os.getpid(),
-        }
-        if req.get("answer") is not None:
-            self.emit({"event": "scoring"})
-            self._score(req, sample, texts, ids, result, [t.turns for t in trajectories])
-        result["seconds"] = round(time.perf_counter() - tic, 3)
-        return result
+        completed = [
+            {
+                "text": text,
+                "tokens": len(own),
+                "truncated": t.truncated,
+                "logprob": _finite(lp),
+                "reward": None,
+                "trajectory": trajectory_json(t, budget),
+            }
+            for text, own, t, lp in zip(texts, ids, trajectories, sums, strict=True)
+        ]  # fmt: skip
+        return self._answer(req, sample, encoded, loaded, reused, tic, completed, ids, [t.turns for t in trajectories])
 
     @staticmethod
     def _to_device(batch: Any, loaded: Loaded) -> Any:

@@ -139,3 +139,31 @@ def _rows(out: Path, steps: tuple[int, ...]) -> dict[int, list[int]]:
     """The dataset rows each of ``steps`` drew, all processes together."""
     samples = _lines(out / "samples.jsonl")
     return {step: sorted({s["dataset_row"] for s in samples if s["step"] == step}) for step in steps}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_collage_train_under_a_plain_torchrun_rendezvous_trains_and_resumes(tmp_path):
+    """The entry point a site's own scheduler (Slurm, Kubernetes, Ray) runs on each host: ``collage train`` under
+    torchrun's c10d rendezvous, not accelerate's launcher; a restart with ``--resume`` continues it."""
+    train = {"max_steps": 3, "lr_scheduler_type": "constant"}
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLLAGE_HOME": str(tmp_path / "home")}
+    for steps, extra in ((2, ()), (3, ("--resume",))):
+        config = make_config(**_sections("fsdp", train={**train, "max_steps": steps}))
+        cfg = tmp_path / f"run-{steps}.yaml"
+        cfg.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}", "--rdzv_id", "collage-test",
+               "-m", "collage.app.cli", "train", str(cfg), "--out", str(out), "--quiet", *extra]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=scaled(600), cwd=ROOT)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+        manifest = json.loads((out / "checkpoints" / f"step-{steps}" / "manifest.json").read_text())
+        assert manifest["world"] == 2
+    assert [m["step"] for m in _lines(out / "metrics.jsonl")] == [1, 2, 3]
