@@ -101,8 +101,8 @@ def run_once(work: Path, model: Path, strategy: str, steps: int, tag: str) -> di
 
 def checkpoint_sizes(folder: Path) -> dict:
     """What one process holds of the model and the optimizer state, as the checkpoint writes it."""
-    if (folder / "manifest.json").is_file():
-        files = json.loads((folder / "manifest.json").read_text())["files"]
+    if (folder / "shards.json").is_file():
+        files = json.loads((folder / "shards.json").read_text())["files"]
         return {"per_process": sorted(f["bytes"] for f in files if f["path"].endswith(".distcp"))}
     model = sum(f.stat().st_size for f in (folder / "model").glob("*.safetensors"))
     return {"per_process": [model + (folder / "trainer_state.pt").stat().st_size] * 2}

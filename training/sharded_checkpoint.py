@@ -1,6 +1,6 @@
 """Sharded checkpoints of an FSDP2 run: ``checkpoints/step-N/shards/`` holds ``torch.distributed.checkpoint`` files
 (each process writes its own shards of the weights and of the optimizer state; no process ever holds the whole
-model), ``manifest.json`` lists them, and ``model/`` beside them holds the model's config, the processor and (with
+model), ``shards.json`` lists them, and ``model/`` beside them holds the model's config, the processor and (with
 LoRA) the adapter's config, but no weights.
 
 DCP reshards on load, so a run resumes with the same or another number of processes (one process included, loading
@@ -29,7 +29,7 @@ from .checkpoint import CheckpointRefused
 from .errors import InputError
 
 SHARDS = "shards"
-MANIFEST = "manifest.json"
+MANIFEST = "shards.json"
 FORMAT = "torch.distributed.checkpoint"
 
 
@@ -180,7 +180,7 @@ def load_shards(
 
 
 def write_manifest(folder: Path, world: int) -> None:
-    """``manifest.json``: the format, the number of processes that wrote the shards, and every shard file with its
+    """``shards.json``: the format, the number of processes that wrote the shards, and every shard file with its
     size (what an upload must carry and a reader can check before loading)."""
     files = sorted(p for p in (folder / SHARDS).rglob("*") if p.is_file())
     manifest = {

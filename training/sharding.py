@@ -98,10 +98,10 @@ def gathered(model: Any) -> Iterator[None]:
     per forward inside (a decoding loop would otherwise gather every layer for every token), resharded on exit.
     Costs the full (unsharded) parameters for that time. A no-op for an unsharded model and when already inside."""
     modules = _fsdp_modules(model) if model is not None else []
-    if not modules or getattr(model, "_collage_gathered", False):
+    root = modules[0] if modules else None  # modules() is pre-order: the outermost shard group is the root
+    if root is None or getattr(root, "_collage_gathered", False):  # (on the root: a wrapper may differ)
         yield
         return
-    root = modules[0]  # modules() is pre-order: the outermost shard group is the root
     reshard = getattr(root, "_collage_reshard", True)
     for module in modules:
         module.set_reshard_after_forward(False, recurse=False)
@@ -109,11 +109,11 @@ def gathered(model: Any) -> Iterator[None]:
     for handle in handles:
         if handle is not None:
             handle.wait()
-    model._collage_gathered = True
+    root._collage_gathered = True
     try:
         yield
     finally:
-        model._collage_gathered = False
+        root._collage_gathered = False
         for module in modules:
             module.reshard()
             module.set_reshard_after_forward(reshard if module is not root else False, recurse=False)

@@ -82,7 +82,7 @@ def test_fsdp_trains_as_ddp_does(tmp_path, case):
     completions = {s: [r["completion"] for r in _lines(runs[s] / "samples.jsonl")] for s in runs}
     assert completions["ddp"] == completions["fsdp"]
     checkpoint = runs["fsdp"] / "checkpoints" / "step-3"
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest = json.loads((checkpoint / "shards.json").read_text())
     assert manifest["world"] == 2 and {Path(f["path"]).name for f in manifest["files"]} >= {
         "__0_0.distcp",
         "__1_0.distcp",
@@ -103,7 +103,7 @@ def test_a_sharded_checkpoint_resumes_on_two_or_one_process_and_exports(tmp_path
     for processes in (2, 1):
         first = {**train, "max_steps": 2}
         out = _train(tmp_path, f"part{processes}", 2, **_sections("fsdp", train=first))
-        assert json.loads((out / "checkpoints" / "step-2" / "manifest.json").read_text())["world"] == 2
+        assert json.loads((out / "checkpoints" / "step-2" / "shards.json").read_text())["world"] == 2
         batch = {"per_device_train_batch_size": 4 * 2 // processes}  # the same prompts per step on fewer processes
         _train(tmp_path, f"part{processes}@resume", processes, ("--resume",),
                **_sections("fsdp", train={**train, **batch}))  # fmt: skip
@@ -164,6 +164,6 @@ def test_collage_train_under_a_plain_torchrun_rendezvous_trains_and_resumes(tmp_
                "-m", "collage.app.cli", "train", str(cfg), "--out", str(out), "--quiet", *extra]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=scaled(600), cwd=ROOT)
         assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
-        manifest = json.loads((out / "checkpoints" / f"step-{steps}" / "manifest.json").read_text())
+        manifest = json.loads((out / "checkpoints" / f"step-{steps}" / "shards.json").read_text())
         assert manifest["world"] == 2
     assert [m["step"] for m in _lines(out / "metrics.jsonl")] == [1, 2, 3]

@@ -399,7 +399,7 @@ def test_a_two_process_cpu_run_trains_on_the_worker_and_cancels_with_a_checkpoin
     with Session(cluster.engine) as session:
         path = session.scalars(select(Checkpoint.path).where(Checkpoint.run_id == slow)).first()
     folder = Path(path) if Path(path).is_absolute() else cluster.settings.artifacts / path
-    assert (folder / "manifest.json").is_file() == (strategy == "fsdp"), sorted(p.name for p in folder.iterdir())
+    assert (folder / "shards.json").is_file() == (strategy == "fsdp"), sorted(p.name for p in folder.iterdir())
 
 
 def _ranks(run_id: str) -> dict[int, int]:

@@ -182,7 +182,7 @@ def test_a_shard_missing_or_cut_short_is_named_before_loading(tmp_path):
     shard_file.unlink()
     with pytest.raises(InputError, match="missing or different"):
         check_manifest(folder)
-    (folder / "manifest.json").unlink()
+    (folder / "shards.json").unlink()
     with pytest.raises(InputError, match="needs its manifest"):
         check_manifest(folder)
 
