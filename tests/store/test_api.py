@@ -34,6 +34,7 @@ def test_every_route_but_health_needs_a_token(api):
     ]  # fmt: skip
     routes += [("POST", "/images"), ("GET", "/uploads"), ("POST", "/generate"), ("GET", "/generate/{job_id}"),
                ("POST", "/generate/{job_id}/cancel")]  # the playground (issue 18)  # fmt: skip
+    routes += [("POST", "/plan")]  # the memory plan before launch (issue 29)
     documented = {(m, p.replace("{run_id}", "x").replace("{sha256}", "a" * 64).replace("{name}", "x")) for p, item in
                   app.openapi()["paths"].items() for m in item if p != f"{API}/health" for m in [m.upper()]}  # fmt: skip
     assert {(m, API + p) for m, p in routes} == documented, "every contract route exists, and only those"
