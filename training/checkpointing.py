@@ -14,6 +14,7 @@ import torch
 from .callbacks import CallbackList, CheckpointInfo
 from .checkpoint import (
     checkpoints_to_remove,
+    folder_bytes,
     latest_checkpoint,
     list_checkpoints,
     load_model_weights,
@@ -27,7 +28,7 @@ from .checkpoint import (
 )
 from .config import TrainSettings
 from .generation_batch import GenerationBatch
-from .sharded_checkpoint import check_manifest, is_sharded_checkpoint, load_shards
+from .sharded_checkpoint import SHARDS, check_manifest, is_sharded_checkpoint, load_shards
 from .training_error import TrainingError
 
 
@@ -267,9 +268,7 @@ def _torch_optimizer(optimizer: Any) -> Any:
 
 
 def size_of_shards(folder: Path) -> int:
-    from .checkpoint import folder_bytes
-
-    shards = folder / "shards"
+    shards = folder / SHARDS
     return folder_bytes(shards) if shards.is_dir() else 0
 
 

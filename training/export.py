@@ -124,9 +124,9 @@ def export_checkpoint(
     tmp = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        from .sharded_checkpoint import with_weights
+        from .sharded_checkpoint import has_weights, is_sharded_checkpoint, with_weights
 
-        if not _has_weights(model_dir):
+        if is_sharded_checkpoint(folder) and not has_weights(model_dir):
             say(0.05, "gathering the shards")
         model_dir = with_weights(model_dir, scratch)  # a sharded checkpoint: its shards as one model first
         if kind == "full":
@@ -153,10 +153,6 @@ def export_checkpoint(
         shutil.rmtree(scratch, ignore_errors=True)
     say(1.0, "exported")
     return ExportResult(out, kind, merge_lora, size)
-
-
-def _has_weights(model_dir: Path) -> bool:
-    return any(model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin"))
 
 
 def _base_folder(base_model: str) -> str:

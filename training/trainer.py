@@ -198,14 +198,11 @@ class Trainer:
         model = prepare_policy(model, cfg.model, t.gradient_checkpointing)
         # FSDP2 (resources.strategy: fsdp) shards before the optimizer is built: it replaces the parameters
         self.sharded = cfg.resources.strategy == "fsdp" and self.world > 1
-        self.shard_plan = None
         if self.sharded:
             fsdp = cfg.resources.fsdp
             if self.uses_lora:  # the adapters start at random, the base weights as read from disk on every process
                 broadcast_from_first([p for p in model.parameters() if p.requires_grad], self.accelerator.device)
-            self.shard_plan = shard(
-                base_model(model), fsdp.reshard_after_forward, fsdp.cpu_offload, self.accelerator.device
-            )
+            shard(base_model(model), fsdp.reshard_after_forward, fsdp.cpu_offload, self.accelerator.device)
             if self.ref_model is not None:
                 shard(self.ref_model, True, fsdp.cpu_offload, self.accelerator.device)
         params = [p for p in model.parameters() if p.requires_grad]
