@@ -281,6 +281,26 @@ class Worker(SQLModel, table=True):
     # per file system holding the worker's home and artifacts: {"paths": {name: path}, "free_bytes", "total_bytes"},
     # measured at its last heartbeat (0011)
     disk_info: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    # the run whose attempt has reserved this worker as one of its hosts (resources.nodes > 1), set in the leader's
+    # claim with the same conditional update that a claim of this worker's own sets current_run_id by (0013)
+    reserved_for: str | None = Field(default=None, max_length=32)
+    reserved_attempt: int | None = None
+
+
+class RunNode(SQLModel, table=True):
+    """One host of a run attempt on several hosts (``resources.nodes``): which worker runs it, the rendezvous
+    endpoint (the leader's row), and the heartbeat of that host's worker, which every other host watches."""
+
+    __tablename__ = "run_nodes"
+
+    run_id: str = Field(sa_column=Column(String(32), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True))
+    attempt: int = Field(primary_key=True)
+    rank: int = Field(primary_key=True)  # 0 = the leader, whose worker claimed the run
+    worker: str = Field(max_length=200)
+    endpoint: str | None = Field(default=None, max_length=300)  # host:port of torchrun's c10d rendezvous (rank 0)
+    started_at: datetime | None = None  # when this host's worker started its training processes
+    heartbeat_at: datetime = Field(default_factory=utcnow)
+    ended_at: datetime | None = None
 
 
 class MetricRollup(SQLModel, table=True):

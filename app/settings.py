@@ -148,6 +148,11 @@ class Settings:
     # seconds a training process may take to start (imports, checkpoint download) before its own heartbeat runs; a
     # process not ready by then is killed and its run fails (docs/workers.md)
     child_start_timeout: float = 3600.0
+    # --- runs on several hosts (resources.nodes; docs/scaling.md) ---
+    # the address the other hosts of a run reach this worker's host at (torchrun's rendezvous and process group);
+    # empty: this host's name
+    node_address: str = ""
+    rendezvous_port: int = 0  # the port a leading worker's rendezvous listens on; 0: a free one for each run
     min_free_disk_mb: int = 1024  # /health reports a disk (home, artifacts, SQLite store) with less free as low
     # --- the playground (issue 18; docs/playground.md) ---
     # seconds a worker's playground process keeps its model(s) loaded without a request, then exits (memory back)
@@ -232,6 +237,8 @@ class Settings:
             train_nice=_nice(os.environ.get("COLLAGE_TRAIN_NICE")),
             requeue_after=float(os.environ.get("COLLAGE_REQUEUE_AFTER", 60.0)),
             child_start_timeout=float(os.environ.get("COLLAGE_CHILD_START_TIMEOUT") or 3600.0),
+            node_address=os.environ.get("COLLAGE_NODE_ADDRESS", ""),
+            rendezvous_port=int(os.environ.get("COLLAGE_RENDEZVOUS_PORT") or 0),
             min_free_disk_mb=int(os.environ.get("COLLAGE_MIN_FREE_DISK_MB", 1024)),
             playground_ttl=float(os.environ.get("COLLAGE_PLAYGROUND_TTL", 600.0)),
             playground_timeout=float(os.environ.get("COLLAGE_PLAYGROUND_TIMEOUT", 900.0)),

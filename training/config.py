@@ -937,6 +937,17 @@ class ResourceSettings(_Strict):
         ),
     )
 
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description=(
+            "Hosts of the run: N > 1 = one run on N worker slots of its queue, on N hosts, started together or not "
+            "at all, their processes joined by torchrun's c10d rendezvous (gpus, or processes with gpus: 0, on each "
+            "host); any host's loss fails the attempt on every host, and a resume takes any N live slots. Read by "
+            "workers; under a launcher you bring it is the launcher's --nnodes (docs/scaling.md)."
+        ),
+    )
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description=(
@@ -954,12 +965,23 @@ class ResourceSettings(_Strict):
                 f"processes: a GPU run has one process per GPU ({self.gpus}); leave processes empty, or use gpus: 0 "
                 f"for {self.processes} CPU processes"
             )
+        if self.nodes > 1 and self.strategy == "fsdp":
+            raise ValueError(
+                f"nodes: a run on {self.nodes} hosts trains with strategy: ddp; FSDP2 across hosts would leave each "
+                "host's shards of a checkpoint on that host's disk, and uploading them all before the checkpoint is "
+                "recorded is not built yet (one host with several GPUs shards fine)"
+            )
         return self
 
     @property
-    def world_size(self) -> int:
-        """How many training processes the run has."""
+    def per_node(self) -> int:
+        """How many training processes each host of the run starts."""
         return self.gpus if self.gpus > 0 else (self.processes or 1)
+
+    @property
+    def world_size(self) -> int:
+        """How many training processes the run has (on all its hosts)."""
+        return self.nodes * self.per_node
 
     @property
     def sharded(self) -> bool:

@@ -157,9 +157,10 @@ class Trainer:
         self.heldout = self._load_heldout(split)
         held = self.heldout.held_rows if self.heldout is not None else None
         self.dataset = training_rows(split, held) if held else split
-        # the main process first: `tiny:` models are built into the cache on first use, and a process that read
-        # the model while another was building it failed ("Unrecognized model"); the others then load it as built
-        with self.accelerator.main_process_first():
+        # each host's main process first: `tiny:` models are built into the host's cache on first use, and a process
+        # that read the model while another was building it failed ("Unrecognized model"); the others then load it
+        # as built (a run on several hosts: each host has its own cache, so per host, not once for the run)
+        with self.accelerator.local_main_process_first():
             self.processor, self.family = load_processor(cfg.model.path)
         self.tokenizer = self.processor.tokenizer
         if self.tokenizer.pad_token_id is None:

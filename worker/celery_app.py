@@ -16,6 +16,7 @@ from collage.app.settings import Settings, get_settings
 from .broker import celery_broker_url
 
 TASK_NAME = "collage.run"
+FOLLOW_TASK_NAME = "collage.follow_run"  # a host's part of a run on several hosts (worker/tasks.py)
 JOB_TASK_NAME = "collage.job"  # an export or a playground generation (worker/jobs.py)
 
 

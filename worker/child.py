@@ -11,13 +11,15 @@ attempt).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import os
 import re
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -133,6 +135,7 @@ class Attempt:
         self.store = StoreWriter(self.engine, self.settings.artifacts, mirror=self.settings.mirror())
         self.writer = self.store.for_attempt(run_id, attempt)
         self.rank = int(os.environ.get("RANK", "0"))  # accelerate's process index (set by `accelerate launch`)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # its index on this host (torchrun's)
         self.out = attempt_dir(self.settings.artifacts, run_id, attempt)
 
     def config_data(self) -> dict | None:
@@ -190,8 +193,12 @@ class Attempt:
         if recorded is None:
             return None
         newest = self._local(recorded)
-        if self.rank != 0:
+        if self.local_rank != 0:  # process 0 of each host fetches and links its host's copy
             return newest
+        with _host_lock(self.out.parent / ".fetch.lock"):
+            return self._link_earlier(recorded, newest, keep_limit)
+
+    def _link_earlier(self, recorded: str, newest: Path, keep_limit: bool) -> Path:
         mirror = self.settings.mirror()
         if mirror is None:
             from collage.training.checkpoint import checkpoints_up_to
@@ -209,7 +216,7 @@ class Attempt:
             reasons = "; ".join(f"step {step}: {why}" for step, _, why in skipped)
             raise type(skipped[0][2])(f"run {self.run_id}: no recorded checkpoint can be resumed from: {reasons}")
         chosen_step, chosen_path = chosen
-        for step, path, why in skipped:
+        for step, path, why in skipped if self.rank == 0 else []:  # one warning, from the run's process 0
             self.writer.add_event(self.run_id, "warning", f"checkpoint step {step} ({path}) was skipped: {why}; "
                                                           f"resuming from step {chosen_step}")  # fmt: skip
         if keep_limit:
@@ -220,7 +227,8 @@ class Attempt:
                 try:
                     self._fetch(path)
                 except _UNUSABLE as why:
-                    self.writer.add_event(self.run_id, "warning", f"checkpoint step {step} ({path}) was not "
+                    if self.rank == 0:
+                        self.writer.add_event(self.run_id, "warning", f"checkpoint step {step} ({path}) was not "
                                                                   f"linked: {why}")  # fmt: skip
                     continue
                 link_checkpoint(self.out, self._local(path))
@@ -258,24 +266,30 @@ class Attempt:
                                     f"the artifacts' bucket {self.settings.artifacts_url}")  # fmt: skip
 
     def fail(self, error: str, message: str) -> int:
+        """Record the attempt's failure; the exit code. Any process may: the first to fail is the one that knows
+        why (its peers fail after it, with a collective's "connection closed by peer" once its sockets close at its
+        exit), and the transition takes only the first."""
         from collage.app.status import ACTIVE, RunStatus
         from collage.app.store.faults import is_store_fault
         from collage.training.diskspace import DiskFull
 
-        if self.rank == 0:
-            try:
-                self.store.transition(self.run_id, ACTIVE, RunStatus.FAILED, when_attempt=self.attempt, error=error,
-                                      message=message)  # fmt: skip
-            except DiskFull as full:  # the store cannot take even this: the supervisor records it once it can
-                print(f"run {self.run_id}: {message}\n{full}", file=sys.stderr)
-                return EXIT_STORE_FULL
-            except Exception as exc:
-                if not is_store_fault(exc):
-                    raise
-                # the store did not answer for the writer's whole retry window: the worker's log keeps why
-                print(f"run {self.run_id}: {message}\nthe store ({self.where}) could not record it: {exc}",
-                      file=sys.stderr)  # fmt: skip
-                return EXIT_STORE_UNREACHABLE
+        if self.rank != 0:
+            world = os.environ.get("WORLD_SIZE", "?")
+            error = f"process {self.rank} of {world}:\n{error}"  # a traceback starts on a line of its own
+            message = f"failed: process {self.rank} of {world}: {message.removeprefix('failed: ')}"
+        try:
+            self.store.transition(self.run_id, ACTIVE, RunStatus.FAILED, when_attempt=self.attempt, error=error,
+                                  message=message)  # fmt: skip
+        except DiskFull as full:  # the store cannot take even this: the supervisor records it once it can
+            print(f"run {self.run_id}: {message}\n{full}", file=sys.stderr)
+            return EXIT_STORE_FULL
+        except Exception as exc:
+            if not is_store_fault(exc):
+                raise
+            # the store did not answer for the writer's whole retry window: the worker's log keeps why
+            print(f"run {self.run_id}: {message}\nthe store ({self.where}) could not record it: {exc}",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_STORE_UNREACHABLE
         return EXIT_FAILED
 
     def finish(self, status: str, step: int) -> None:
@@ -284,6 +298,26 @@ class Attempt:
         if self.rank == 0:
             self.store.transition(self.run_id, ACTIVE, RunStatus(status), when_attempt=self.attempt,
                                   message=f"{status} at step {step}")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _host_lock(path: Path) -> Iterator[None]:
+    """One process of this host at a time (a run's processes on one host share its cache of the bucket)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def touch_ready_on_other_hosts(rank: int, local_rank: int) -> None:
+    """On a host without the run's process 0 (a run on several hosts), process 0 of the host tells its worker the
+    training has started (process 0 of the run does that with its heartbeat, which beats for every host)."""
+    ready = os.environ.get("COLLAGE_CHILD_READY_FILE")
+    if rank != 0 and local_rank == 0 and ready:
+        Path(ready).touch()
 
 
 def _step_of(path: str) -> int:
@@ -399,6 +433,7 @@ def main(run_id: str, attempt_number: int) -> int:
         return begun
     config_data, newest = begun
     _import_training_libraries()
+    touch_ready_on_other_hosts(attempt.rank, attempt.local_rank)
     callback = StoreCallback(attempt.writer, run_id, heartbeat_every=attempt.settings.heartbeat_interval,
                              ready_file=os.environ.get("COLLAGE_CHILD_READY_FILE"),
                              artifacts=attempt.settings.artifacts, mirror=attempt.settings.mirror())  # fmt: skip

@@ -14,6 +14,7 @@ from celery import signals
 from collage.app.db import check_migrated, engine_for
 from collage.app.settings import get_settings
 from collage.app.store.jobs import broker_queue
+from collage.app.store.nodes import node_queue
 from collage.training.data.synth import clean_stale_temp_folders
 
 from .shutdown import SHUTDOWN_BOUND, StopFlag, bounded, die_with_parent
@@ -91,7 +92,8 @@ def run_worker(
 
     watch_parent(stop)
     # each queue's runs, and its jobs (exports, playground generations) on a queue of their own (app.store.jobs)
-    consumed = [*queues, *(broker_queue(q) for q in queues)]
+    # and its own queue, where the worker that claims a run on several hosts sends this one its part
+    consumed = [*queues, *(broker_queue(q) for q in queues), node_queue(name)]
     log.info("worker %s: queues %s, GPU slot %s", name, ",".join(queues), gpus or "CPU")
     try:
         declare_embedded_queues(celery_app, settings.broker_url, consumed)

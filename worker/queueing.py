@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
@@ -30,18 +30,22 @@ from collage.app.store.jobs import broker_queue, queued_jobs
 from collage.app.store.queueing import queued_runs
 from collage.app.store.writer import StoreWriter
 
+if TYPE_CHECKING:
+    from .supervisor import Gang
+
 log = logging.getLogger("collage.worker")
 
 
-def claim_next(writer: StoreWriter, queue: str, worker: str) -> Run | None:
-    """Claim the run of ``queue`` that has waited longest (another worker may win a run: then the next one);
-    ``None`` when no run is queued there (a spare token)."""
+def claim_next(writer: StoreWriter, queue: str, worker: str, gang: Gang | None = None) -> Run | None:
+    """Claim the run of ``queue`` that has waited longest (another worker may win a run: then the next one; a run
+    on several hosts whose hosts are not all free waits, and the next one may start); ``None`` when no run is
+    queued there (a spare token). ``gang``: how this worker leads a run on several hosts."""
     from .supervisor import claim
 
     with Session(writer.engine) as session:
         candidates = queued_runs(session, queue)
     for queued in candidates:
-        run = claim(writer, queued.run_id, worker)
+        run = claim(writer, queued.run_id, worker, gang)
         if run is not None:
             return run
     return None

@@ -14,6 +14,7 @@ from sqlmodel import Session, col
 from collage.app.models import Run, utcnow
 from collage.app.status import ACTIVE, RunStatus
 from collage.app.store.jobs import reap_jobs
+from collage.app.store.nodes import free_stale_reservations
 from collage.app.store.workers import forget_stale
 from collage.app.store.writer import StoreWriter
 
@@ -68,6 +69,7 @@ class Reaper(threading.Thread):
                 reap(self.engine, self.timeout)
                 reap_jobs(self.engine, self.timeout)
                 forget_stale(self.engine, older_than=STALE_WORKER_AFTER)
+                free_stale_reservations(self.engine)  # a gang claim's reservation whose attempt went nowhere
             except Exception:  # the store may be briefly unavailable: logged, tried again next time
                 log.exception("reaper pass failed")
 

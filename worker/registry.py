@@ -129,7 +129,7 @@ class Registration(threading.Thread):
         self.engine, self.name, self.queues, self.gpus, self.every = engine, name, queues, gpus, every
         self.disks = disks or {}  # what the heartbeat measures the free space of: home, artifacts
         self.stopped = threading.Event()
-        self.current_run: str | None = None
+        self.first_beat = True
         # this process's start: a worker restarted under the same name is a new one, its row says so (not the
         # first start's time, which an upsert that left the column alone kept)
         self.started_at = utcnow()
@@ -137,11 +137,18 @@ class Registration(threading.Thread):
         self.prober = threading.Thread(target=self._probe_loop, name="collage-gpu-probe", daemon=True)
 
     def beat(self) -> None:
-        row = {"name": self.name, "hostname": socket.gethostname(), "pid": os.getpid(), "queues": self.queues,
-               "gpus": self.gpus, "current_run_id": self.current_run, "started_at": self.started_at,
-               "last_seen": utcnow(), "gpu_info": self.gpu_info, "disk_info": probe_disks(self.disks)}  # fmt: skip
+        """Refresh this worker's row. Which run it is busy with or reserved for is not the beat's to write (the
+        claims change those with conditional updates, ``app.store.nodes``), except at this process's first beat:
+        a worker restarted under the same name holds nothing."""
+        row: dict[str, Any] = {
+            "name": self.name, "hostname": socket.gethostname(), "pid": os.getpid(), "queues": self.queues,
+            "gpus": self.gpus, "started_at": self.started_at, "last_seen": utcnow(), "gpu_info": self.gpu_info,
+            "disk_info": probe_disks(self.disks)}  # fmt: skip
+        if self.first_beat:
+            row.update(current_run_id=None, reserved_for=None, reserved_attempt=None)
         with session_scope(self.engine) as session:
             upsert(session, table_of(Worker), [row], ["name"], [c for c in row if c != "name"])
+        self.first_beat = False
 
     def _probe_loop(self) -> None:
         while True:
@@ -153,10 +160,6 @@ class Registration(threading.Thread):
         if self.gpus:  # a CPU-only worker has nothing to probe
             self.prober.start()
         super().start()
-
-    def set_run(self, run_id: str | None) -> None:
-        self.current_run = run_id
-        self.beat()
 
     def run(self) -> None:
         while not self.stopped.wait(self.every):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,19 @@ from sqlmodel import Session, col
 from collage.app.models import Run, utcnow
 from collage.app.status import ACTIVE, ENDED, RunStatus
 from collage.app.store.faults import store_disk_full
+from collage.app.store.nodes import (
+    GangNotReady,
+    Node,
+    beat_node,
+    check_nodes,
+    claim_gang,
+    end_node,
+    mark_busy,
+    nodes_of,
+    release,
+    requeue,
+)
+from collage.app.store.queueing import queue_of
 from collage.app.store.writer import StaleAttempt, StoreWriter
 from collage.training.diskspace import DiskFull
 
@@ -50,24 +64,77 @@ EXIT_GRACE = 10.0  # seconds a child whose run has ended may take to exit before
 STORE_FULL_RETRY = 2.0  # seconds between tries to record a run's end in a store whose disk is full
 
 
+LAUNCH = [sys.executable, "-m", "collage.worker.launch"]  # a launcher module, dying with its worker
+
+
 @dataclass
 class Slot:
     gpus: list[int]  # the GPUs of this worker's slot; empty = CPU
 
 
-def claim(writer: StoreWriter, run_id: str, worker: str) -> Run | None:
+@dataclass(frozen=True)
+class Gang:
+    """How this worker leads a run on several hosts (``resources.nodes``): the address and port its rendezvous
+    listens on (empty address: this host's name; port 0: a free one), and how recently a worker must have beaten
+    to be taken as one of the run's hosts."""
+
+    address: str = ""
+    port: int = 0
+    live_within: float = 20.0
+
+    def endpoint(self) -> str:
+        address = self.address or socket.gethostname()
+        if self.port:
+            return f"{address}:{self.port}"
+        with socket.socket() as probe:  # the leader's torchrun binds it a moment later (--rdzv_conf is_host=1)
+            probe.bind((self.address or "", 0))
+            return f"{address}:{probe.getsockname()[1]}"
+
+
+def claim(writer: StoreWriter, run_id: str, worker: str, gang: Gang | None = None) -> Run | None:
     """Atomically move a queued run to running for this worker. ``None`` if someone else has it (a
-    redelivered message), or it was cancelled while queued: the task is then a no-op."""
-    if not writer.transition(
-        run_id, [RunStatus.QUEUED], RunStatus.RUNNING, message=f"status: running on {worker}", worker=worker
-    ):
+    redelivered message), it was cancelled while queued, this worker was reserved by another run's claim, or (a run
+    on several hosts) the other hosts it needs are not there: the task is then a no-op."""
+    config = writer.read(lambda session: session.scalars(select(col(Run.config)).where(
+        col(Run.id) == run_id, col(Run.status) == RunStatus.QUEUED)).first())  # fmt: skip
+    if config is None:
         return None
+    nodes = nodes_of(config)
+    if nodes > 1:
+        if not _claim_gang(writer, run_id, worker, config, nodes, gang or Gang()):
+            return None
+    else:
+        if not mark_busy(writer.engine, worker, run_id):
+            return None
+        if not writer.transition(
+            run_id, [RunStatus.QUEUED], RunStatus.RUNNING, message=f"status: running on {worker}", worker=worker
+        ):
+            release(writer.engine, worker, run_id)
+            return None
     with Session(writer.engine, expire_on_commit=False) as session:
         return session.get(Run, run_id)
 
 
-def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str | None]:
-    """The training command for this slot, its environment, and a warning worth recording (or ``None``)."""
+def _claim_gang(writer: StoreWriter, run_id: str, worker: str, config: dict, nodes: int, gang: Gang) -> bool:
+    gpus = int((config.get("resources") or {}).get("gpus", 1))
+    endpoint = gang.endpoint()
+    try:
+        claimed = writer.atomically(
+            lambda session: claim_gang(
+                session, run_id, worker, nodes, queue_of(config), gpus, gang.live_within, endpoint
+            )
+        )
+    except GangNotReady as why:
+        log.warning("run %s needs %d hosts and stays queued: %s", run_id, nodes, why)
+        return False
+    return claimed is not None
+
+
+def child_command(
+    run: Run, slot: Slot, node: Node | None = None, address: str = ""
+) -> tuple[list[str], dict[str, str], str | None]:
+    """The training command for this slot (this host's part of the run with ``node``), its environment, and a
+    warning worth recording (or ``None``)."""
     resources = run.config.get("resources", {})
     wanted = int(resources.get("gpus", 1))
     env = dict(os.environ)
@@ -75,9 +142,13 @@ def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str 
     if wanted == 0:
         env["CUDA_VISIBLE_DEVICES"] = ""
         processes = int(resources.get("processes") or 1)
+        if node is not None:
+            return _launch_node(processes, run, node, address), env, None
         # N CPU processes: launched as a multi-GPU run is; with no GPU visible, each rank trains on the CPU over gloo
         return (single if processes == 1 else _launch(processes, run)), env, None
     if not slot.gpus:
+        if node is not None:  # the other hosts train on their GPUs: one host on the CPU would only hold them up
+            raise SlotTooSmall(f"resources.gpus is {wanted} but worker slot of node {node.rank} has no GPU")
         env["CUDA_VISIBLE_DEVICES"] = ""
         return single, env, f"resources.gpus is {wanted} but this worker has no GPU slot: training on the CPU"
     if wanted > len(slot.gpus):
@@ -87,6 +158,8 @@ def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str 
             f"--gpus listing {wanted} GPUs"
         )
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus[:wanted]))
+    if node is not None:
+        return _launch_node(wanted, run, node, address), env, None
     if wanted == 1:
         return single, env, None
     return _launch(wanted, run), env, None
@@ -94,8 +167,19 @@ def child_command(run: Run, slot: Slot) -> tuple[list[str], dict[str, str], str 
 
 def _launch(processes: int, run: Run) -> list[str]:
     """``accelerate launch`` of the training child as ``processes`` ranks on this host."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+    launch = [*LAUNCH, "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    return [*launch, "-m", "collage.worker.child", run.id, str(run.attempt)]
+
+
+def _launch_node(processes: int, run: Run, node: Node, address: str) -> list[str]:
+    """torchrun of this host's ``processes`` ranks, joined to the other hosts' by the c10d rendezvous at the
+    leader's endpoint (the leader's torchrun hosts its store: ``is_host``). One attempt, no restarts: a lost host
+    fails the attempt, and a resume starts a new one on any live hosts."""
+    launch = [*LAUNCH, "torch.distributed.run", "--nnodes", str(node.nodes), "--nproc-per-node",
+              str(processes), "--rdzv-backend", "c10d", "--rdzv-endpoint", node.endpoint, "--rdzv-id",
+              f"{run.id}-{run.attempt}", "--rdzv-conf", f"is_host={int(node.rank == 0)}", "--max-restarts", "0",
+              "--local-addr", address or socket.gethostname()]  # fmt: skip
     return [*launch, "-m", "collage.worker.child", run.id, str(run.attempt)]
 
 
@@ -132,10 +216,13 @@ def _record_end(
         time.sleep(STORE_FULL_RETRY)
 
 
+LAUNCHERS = ("accelerate.commands.launch", "torch.distributed.run")
+
+
 def _training_processes(proc: subprocess.Popen) -> list[int]:
-    """The processes that train: the child itself, or, under ``accelerate launch``, its ranks (the launcher
-    would answer SIGTERM by killing them before they checkpoint)."""
-    if not (isinstance(proc.args, list) and "accelerate.commands.launch" in proc.args):
+    """The processes that train: the child itself, or, under ``accelerate launch`` or torchrun, its ranks (the
+    launcher would answer SIGTERM by killing them before they checkpoint)."""
+    if not (isinstance(proc.args, list) and any(launcher in proc.args for launcher in LAUNCHERS)):
         return [proc.pid]
     ranks = []
     for task in Path(f"/proc/{proc.pid}/task").glob("*"):
@@ -198,8 +285,11 @@ def run_claimed(
     nice: int = 0,
     heartbeat_timeout: float | None = None,
     start_timeout: float | None = None,
+    node: Node | None = None,
+    address: str = "",
 ) -> str | None:
-    """Run a run this worker has claimed to its end; returns its final status. ``stop``: the worker's shutdown
+    """Run a run this worker has claimed (or this host's part of it, ``node``, on several hosts; ``address``: the
+    one the other hosts reach this one at) to its end; returns its final status. ``stop``: the worker's shutdown
     flag; once raised, the run is asked to checkpoint and stop. ``nice``: the training's CPU priority.
     ``heartbeat_timeout``: a training process whose own heartbeat is older than this is frozen or hung, and is
     killed, and one stopped for half of it too (see :func:`_watch`). ``start_timeout``: a training process that has
@@ -211,7 +301,7 @@ def run_claimed(
         # longer than a short heartbeat timeout, and the reaper failed a run that was about to start
         with _beating(mine, run_id, heartbeat_every):
             try:
-                cmd, env, warning = child_command(run, slot)
+                cmd, env, warning = child_command(run, slot, node, address)
             except SlotTooSmall as exc:
                 writer.transition(
                     run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=str(exc), message=f"failed: {exc}"
@@ -230,8 +320,12 @@ def run_claimed(
             log.info("run %s attempt %s: starting %s", run_id, attempt, " ".join(cmd))
             # its own session, so the whole process group (accelerate's ranks too) can be killed at once
             proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        return _watch(writer, mine, proc, run_id, attempt, ready, cancel_grace, heartbeat_every, poll, stop,
-                      heartbeat_timeout, start_timeout)  # fmt: skip
+        watch = Watch(cancel_grace, heartbeat_every, poll, stop, heartbeat_timeout, start_timeout, node)
+        try:
+            return _watch(writer, mine, proc, run_id, attempt, ready, watch)
+        finally:
+            if node is not None:  # the other hosts stop watching this one's beat: its part is over
+                bounded(lambda: end_node(writer.engine, run_id, attempt, node.rank), SHUTDOWN_BOUND, "ending a node")
 
 
 def _beating(mine: StoreWriter, run_id: str, every: float) -> Heartbeat:
@@ -295,19 +389,21 @@ def _kill_if_frozen(
     return frozen
 
 
+@dataclass(frozen=True)
+class Watch:
+    """How :func:`_watch` watches a training process (see :func:`run_claimed`'s options)."""
+
+    cancel_grace: float = 60.0
+    heartbeat_every: float = 5.0
+    poll: float = 0.5
+    stop: StopFlag | None = None
+    heartbeat_timeout: float | None = None
+    start_timeout: float | None = None
+    node: Node | None = None  # this host's part of a run on several hosts
+
+
 def _watch(
-    writer: StoreWriter,
-    mine: StoreWriter,
-    proc: subprocess.Popen,
-    run_id: str,
-    attempt: int,
-    ready: Path,
-    cancel_grace: float,
-    heartbeat_every: float,
-    poll: float,
-    stop: StopFlag | None = None,
-    heartbeat_timeout: float | None = None,
-    start_timeout: float | None = None,
+    writer: StoreWriter, mine: StoreWriter, proc: subprocess.Popen, run_id: str, attempt: int, ready: Path, w: Watch
 ) -> str | None:
     cancel_seen: float | None = None
     stopping = False
@@ -317,29 +413,26 @@ def _watch(
     stopped_since: float | None = None  # when the training process was first seen stopped (state T), if it is
     while proc.poll() is None:
         # first, and whatever the store does (a process stopped inside a SQLite write holds its only write lock)
-        frozen = _no_progress(proc, ready, started, stopped_since, heartbeat_timeout, start_timeout)
+        frozen = _no_progress(proc, ready, started, stopped_since, w.heartbeat_timeout, w.start_timeout)
         if frozen is not None:
             log.error("run %s attempt %s: the training process %s", run_id, attempt, frozen)
             _kill(proc)
             break
-        if heartbeat_timeout and _stopped(proc):
-            stopped_since = stopped_since or time.monotonic()
-        else:
-            stopped_since = None
-        if stop is not None and stop.requested and not stopping:
+        stopped_since = (stopped_since or time.monotonic()) if w.heartbeat_timeout and _stopped(proc) else None
+        if w.stop is not None and w.stop.requested and not stopping:
             stopping = True
             cancel_seen = cancel_seen or time.monotonic()
-            _shut_down(writer, proc, run_id, attempt, stop.why)
+            _shut_down(writer, proc, run_id, attempt, w.stop.why)
         try:
             state = writer.run_state(run_id)
-            if not ready.exists() and time.monotonic() - last_beat >= heartbeat_every:
+            if not ready.exists() and time.monotonic() - last_beat >= w.heartbeat_every:
                 mine.heartbeat(run_id)  # the child is still starting: beat for it
                 last_beat = time.monotonic()
         except StaleAttempt:
             state = None
         except Exception:  # the store is briefly unreachable (the writer already retried): keep watching
             log.exception("run %s: could not read the run's state", run_id)
-            time.sleep(poll)
+            time.sleep(w.poll)
             continue
         if state is not None and state[1] == attempt and state[0] in ENDED:
             # the child wrote its final status (or the reaper ended the run): a moment to exit, then it goes
@@ -355,25 +448,48 @@ def _watch(
             )
             _kill(proc)
             return None
-        if heartbeat_timeout and ready.exists() and time.monotonic() - last_look >= heartbeat_every:
+        if time.monotonic() - last_look >= w.heartbeat_every:
             last_look = time.monotonic()
-            frozen = _kill_if_frozen(writer, proc, run_id, attempt, heartbeat_timeout)
-            if frozen is not None:
-                break
+            _watch_nodes(writer, run_id, attempt, w)
+            if w.heartbeat_timeout and ready.exists():
+                frozen = _kill_if_frozen(writer, proc, run_id, attempt, w.heartbeat_timeout)
+                if frozen is not None:
+                    break
         if state[0] == RunStatus.CANCELLING or stopping:
             cancel_seen = cancel_seen or time.monotonic()
-            if time.monotonic() - cancel_seen > cancel_grace:
+            if time.monotonic() - cancel_seen > w.cancel_grace:
                 _kill(proc)
-                writer.transition(
-                    run_id,
-                    ACTIVE,
-                    RunStatus.CANCELLED,
-                    when_attempt=attempt,
-                    message=f"cancelled: the training did not stop within {cancel_grace:.0f}s and was killed",
-                )
+                writer.transition(run_id, ACTIVE, RunStatus.CANCELLED, when_attempt=attempt,
+                                  message=f"cancelled: the training did not stop within {w.cancel_grace:.0f}s and "
+                                          "was killed")  # fmt: skip
                 return RunStatus.CANCELLED
-        time.sleep(poll)
-    return _record_exit(writer, proc.returncode, run_id, attempt, frozen, stopping, stop)
+        time.sleep(w.poll)
+    return _record_exit(writer, proc.returncode, run_id, attempt, frozen, stopping, w)
+
+
+def _watch_nodes(writer: StoreWriter, run_id: str, attempt: int, w: Watch) -> None:
+    """A run on several hosts: this host's beat, and the verdict on the others. A host lost fails the attempt (every
+    host's watch then sees it ended and ends its processes); a host that never started its part puts the run back in
+    its queue as a new attempt (every watch sees it is no longer current)."""
+    if w.node is None:
+        return
+    try:
+        beat_node(writer.engine, run_id, attempt, w.node.rank)
+        verdict = check_nodes(writer.engine, run_id, attempt, _node_timeout(w))
+        if verdict is None:
+            return
+        log.error("run %s attempt %s: %s", run_id, attempt, verdict.message)
+        if verdict.lost:
+            writer.transition(run_id, ACTIVE, RunStatus.FAILED, when_attempt=attempt, error=verdict.message,
+                              message=f"failed: {verdict.message}")  # fmt: skip
+        else:
+            writer.atomically(lambda session: requeue(session, run_id, attempt, verdict.message))
+    except Exception:  # the store is briefly unreachable: the next look tries again
+        log.exception("run %s: could not check the run's other hosts", run_id)
+
+
+def _node_timeout(w: Watch) -> float:
+    return w.heartbeat_timeout or max(30.0, 6 * w.heartbeat_every)
 
 
 def _no_progress(
@@ -400,11 +516,13 @@ def _no_progress(
 
 
 def _record_exit(
-    writer: StoreWriter, code: int, run_id: str, attempt: int, frozen: str | None, stopping: bool, stop: StopFlag | None
+    writer: StoreWriter, code: int, run_id: str, attempt: int, frozen: str | None, stopping: bool, w: Watch
 ) -> str | None:
     """The training process has exited: if it did not record how its run ended, record it here (killed, crashed,
     frozen, or failed with the store's disk full); the run's status as this attempt left it."""
     state = writer.run_state(run_id)
+    if w.node is not None and state is not None and state[1] == attempt and state[0] in ACTIVE:
+        state = _settle(writer, run_id, attempt, w)
     if state is not None and state[1] == attempt and state[0] in ACTIVE:
         # the child died without saying how it ended
         if frozen is not None:
@@ -413,6 +531,8 @@ def _record_exit(
             reason = f"killed by signal {signal.Signals(-code).name}"
         else:
             reason = f"exited with code {code}"
+        if w.node is not None:
+            reason = f"of node {w.node.rank} of {w.node.nodes} {reason}"
         ended = RunStatus.CANCELLED if state[0] == RunStatus.CANCELLING or stopping else RunStatus.FAILED
         error = None if ended == RunStatus.CANCELLED else f"the training process {reason}"
         message = f"{ended}: the training process {reason}"
@@ -424,6 +544,21 @@ def _record_exit(
             error = ("the training process failed and could not reach the run store to say why for its whole retry "
                      "window; this worker's log has the cause")  # fmt: skip
             message = f"failed: {error}"
-        return _record_end(writer, run_id, attempt, ended, error, message, stop)
+        return _record_end(writer, run_id, attempt, ended, error, message, w.stop)
     log.info("run %s attempt %s ended %s", run_id, attempt, state)
     return state[0] if state is not None and state[1] == attempt else None
+
+
+def _settle(writer: StoreWriter, run_id: str, attempt: int, w: Watch) -> tuple[str, int] | None:
+    """This host's processes of a run on several hosts are gone and the run is still active: the process that
+    records its end (global rank 0) may be on another host, or a host was lost and its processes took this host's
+    with them. Until the heartbeat bound passes, the watch goes on beating and looking at the other hosts, so the
+    run ends saying why (its own end, or which host was lost), not "exited with code 1"; the state it then has."""
+    assert w.node is not None
+    deadline = time.monotonic() + _node_timeout(w) + 2 * w.heartbeat_every
+    state = writer.run_state(run_id)
+    while state is not None and state[1] == attempt and state[0] in ACTIVE and time.monotonic() < deadline:
+        _watch_nodes(writer, run_id, attempt, w)
+        time.sleep(w.poll)
+        state = writer.run_state(run_id)
+    return state

@@ -350,6 +350,11 @@ class StoreWriter:
     def _unguarded(self) -> StoreWriter:
         return StoreWriter(self.engine, self.artifacts, self.retry_for, self.mirror)
 
+    def atomically(self, work: Callable[[Session], T]) -> T:
+        """``work(session)`` as one transaction, retried like a write; an exception it raises rolls it all back
+        (a gang claim that finds a worker taken meanwhile, ``app.store.nodes``)."""
+        return self._unguarded()._write(work)
+
     def read(self, work: Callable[[Session], T]) -> T:
         """``work(session)``, a read retried like a write: a connection that is refused or drops is tried again for
         ``retry_for`` seconds (the training process's reads at its start, which nothing else would retry)."""

@@ -5,6 +5,8 @@ other only through PostgreSQL, a Redis broker and an S3 server (SeaweedFS, our o
 - A worker host's whole process tree is killed with SIGKILL mid-run; the run, resumed, continues on the other host
   from its checkpoint in the bucket and ends with every step once; Chromium shows every rollout image, served from
   the bucket (the web node never had a file of it).
+- One run on two hosts (``resources.nodes: 2``, torchrun's c10d rendezvous between them): one host killed, the
+  attempt fails on both, no training process is left on either, and the resume takes two live hosts.
 - The S3 server stopped mid-run until the training host has retried it five times: the run goes on once it is back,
   and no rollout row, image or checkpoint is lost.
 
@@ -45,7 +47,7 @@ class Deployment:
             "COLLAGE_BROKER_URL": broker_url, "COLLAGE_ARTIFACTS": f"s3://{BUCKET}/{self.prefix}",
             "COLLAGE_S3_ENDPOINT_URL": s3.endpoint, "COLLAGE_HEARTBEAT_INTERVAL": "1",
             "COLLAGE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT), "COLLAGE_REWARD_MODULES": "tests.support.rewards",
-            **CREDENTIALS,
+            "COLLAGE_NODE_ADDRESS": "127.0.0.1", **CREDENTIALS,
         }  # fmt: skip
         self.procs: dict[str, subprocess.Popen] = {}
         self.base = ""
@@ -87,10 +89,10 @@ class Deployment:
         except (httpx.HTTPError, OSError):
             return False
 
-    def start_workers(self, *hosts: str) -> None:
+    def start_workers(self, *hosts: str, queues: str = "default") -> None:
         """Start the worker hosts side by side, then wait until each has registered."""
         for host in hosts:
-            self._start(host, "worker", "--name", host, "--loglevel", "INFO")
+            self._start(host, "worker", "--name", host, "--queues", queues, "--loglevel", "INFO")
         for host in hosts:
             wait_for(lambda: [w["name"] for w in self.api("/health")["workers"]], f"worker {host} to register",
                      until=lambda names, host=host: host in names, timeout=90, logs=self.logs())  # fmt: skip
@@ -285,3 +287,48 @@ def test_the_s3_server_down_mid_run_loses_nothing(deployment):
     for sha in shas:
         data = bucket.get_bytes(f"images/{sha[:2]}/{sha[2:4]}/{sha}.png")
         assert data is not None and hashlib.sha256(data).hexdigest() == sha
+
+
+def _hosts(deployment: Deployment, run_id: str, attempt: int) -> list[str]:
+    from collage.app.models import RunNode
+
+    with Session(_engine(deployment)) as session:
+        return list(session.scalars(select(RunNode.worker).where(RunNode.run_id == run_id, RunNode.attempt == attempt)
+                                    .order_by(RunNode.rank)))  # fmt: skip
+
+
+def _training_processes(run_id: str) -> list[str]:
+    """Every process of the run's training on any host: the torchrun launchers and their ranks."""
+    found = subprocess.run(["pgrep", "-af", f"collage.worker.child {run_id}"], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_a_run_on_two_hosts_fails_on_both_when_one_is_lost_and_resumes_on_two_live_hosts(deployment):
+    deployment.start_workers("node-a", "node-b", "node-c", queues="gang")
+    config = run_config(max_steps=6, delay=0.4, resources={"gpus": 0, "nodes": 2, "queue": "gang"})
+    run_id = deployment.api("/runs", "POST", json=config)["id"]
+    deployment.wait_run(run_id, lambda r: bool(deployment.api(f"/runs/{run_id}/checkpoints")["items"]), 300,
+                        "a checkpoint recorded")  # fmt: skip
+    first = _hosts(deployment, run_id, 1)
+    assert len(first) == len(set(first)) == 2, first
+    ranks = [line for line in _training_processes(run_id) if "collage.worker.launch" not in line]
+    assert len(ranks) == 2, f"one training process on each host (and its torchrun): {ranks}"
+    _, rows = _steps(deployment, run_id)
+    assert rows[0] == (1, 16), "each host's process generates its own 8 rows of a step"
+    victim = first[1]
+    deployment.kill_host(victim)
+    run = deployment.wait_run(run_id, lambda r: r["status"] != "running", HEARTBEAT + 40, "the attempt's failure")
+    assert run["status"] == "failed" and run["error"], run
+    # the surviving host ended its part: its worker killed whatever the lost host's end did not already stop
+    wait_for(lambda: _training_processes(run_id), "no training process of the run left", until=lambda left: not left,
+             timeout=HEARTBEAT + 20, logs=deployment.logs())  # fmt: skip
+    assert deployment.api(f"/runs/{run_id}/resume", "POST")["attempt"] == 2
+    run = deployment.wait_run(run_id, lambda r: r["status"] in ("succeeded", "failed"), 400, "the resumed run")
+    assert run["status"] == "succeeded", (run["error"], _events(deployment, run_id))
+    second = _hosts(deployment, run_id, 2)
+    assert len(set(second)) == 2 and victim not in second, second  # any two live hosts
+    metrics, rows = _steps(deployment, run_id)
+    assert metrics == list(range(1, 7))  # no step missing or doubled
+    assert rows == [(s, 16) for s in range(1, 7)]
+    assert any("resumed from checkpoint at step" in m for m in _events(deployment, run_id))
+    assert any(m.startswith("status: running on") and "(node 1)" in m for m in _events(deployment, run_id))

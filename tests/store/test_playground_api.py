@@ -460,17 +460,18 @@ def test_a_generation_that_cannot_be_queued_fails_with_503(play):
 
 
 def test_a_queued_generation_says_it_waits_behind_training(play):
+    from collage.app.store.nodes import mark_busy, release
     from collage.worker.registry import Registration
 
     client, app, _ = play
     worker = Registration(app.state.engine, "w-busy", ["default"], [])
-    worker.current_run = "r123"
     worker.beat()
+    assert mark_busy(app.state.engine, "w-busy", "r123")  # as its claim of run r123 does
+    worker.beat()  # a later beat leaves which run it is busy with alone
     job_id = client.post(API + "/generate", json=_request()).json()["id"]
     seen = client.get(f"{API}/generate/{job_id}").json()
     assert "waiting behind training" in seen["message"] and "run r123 on w-busy" in seen["message"], seen["message"]
-    worker.current_run = None
-    worker.beat()
+    release(app.state.engine, "w-busy", "r123")
     assert "a free worker" in client.get(f"{API}/generate/{job_id}").json()["message"]
 
 

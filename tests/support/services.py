@@ -16,7 +16,7 @@ from .waiting import scaled, wait_for
 PG_ADMIN_URL = os.environ.get("COLLAGE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 # the store's tables, children first: emptied between tests that share a database
 TABLES = [
-    "uploads", "jobs", "sample_images", "sample_tool_images", "samples", "images", "metrics", "metric_rollups",
+    "uploads", "jobs", "run_nodes", "sample_images", "sample_tool_images", "samples", "images", "metrics", "metric_rollups",
     "events", "checkpoints", "run_tags", "runs", "web_sessions", "login_links", "audit_log", "api_tokens", "workers",
 ]  # fmt: skip
 

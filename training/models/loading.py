@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,13 +49,37 @@ def resolve_model_path(path: str) -> str:
             return str(folder)
         tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
         try:
-            build_tiny(family, tmp)
+            if _in_process_group():
+                _build_apart(family, tmp)
+            else:
+                build_tiny(family, tmp)
             if folder.exists():  # a folder without config.json, left by something else: never a model
                 shutil.rmtree(folder)
             os.rename(tmp, folder)  # the whole folder appears at once
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(folder)
+
+
+def _in_process_group() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _build_apart(family: str, out: Path) -> None:
+    """Build the tiny model in a process of its own. Under a process group (the first process of a host other than
+    the run's first, on a run on several hosts) transformers' ``save_pretrained`` writes files only on the group's
+    rank 0, and the model would be left without its config and weights."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    done = subprocess.run([sys.executable, "-m", "collage.training.models.tiny", family, str(out)], env=env,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RunError(f"building tiny:{family} in {out} failed: {done.stderr.strip()[-2000:]}")
+
+
+# what a launcher sets for its processes: a build apart is a plain process, in no group
+_LAUNCH_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID"}  # fmt: skip
 
 
 @contextmanager

@@ -762,3 +762,9 @@ def build_tiny(family: str, out: str | Path) -> Path:
     with torch.random.fork_rng(devices=[]):
         BUILDERS[family](out)
     return out
+
+
+if __name__ == "__main__":  # ``python -m collage.training.models.tiny FAMILY OUT``: a build in a process of its own
+    import sys
+
+    build_tiny(sys.argv[1], sys.argv[2])
