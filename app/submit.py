@@ -122,10 +122,13 @@ def _follow(client: httpx.Client, run_id: str) -> int:
             if status in ENDED:
                 break
             if status == RunStatus.QUEUED and not warned and time.monotonic() - queued_since > 15:
-                queue = (run.get("config") or {}).get("resources", {}).get("queue", "default")
+                resources = (run.get("config") or {}).get("resources", {})
+                queue, nodes = resources.get("queue", "default"), int(resources.get("nodes") or 1)
                 workers = client.get("/health").json().get("workers", [])
-                if not any(queue in w["queues"] for w in workers):
-                    progress.console.print(f"[warning] no live worker takes runs from queue {queue!r}: start one with "
+                live = sum(queue in w["queues"] for w in workers)
+                if live < nodes:
+                    wanted = "no live worker takes" if nodes == 1 else f"{live} live workers (of {nodes} needed) take"
+                    progress.console.print(f"[warning] {wanted} runs from queue {queue!r}: start one with "
                                            f"`collage worker --queues {queue}`")  # fmt: skip
                 warned = True
             time.sleep(1)

@@ -13,6 +13,7 @@ import torch
 
 from .callbacks import CallbackList, CheckpointInfo
 from .checkpoint import (
+    checkpoint_dir,
     checkpoints_to_remove,
     folder_bytes,
     latest_checkpoint,
@@ -24,6 +25,7 @@ from .checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    shards_failed,
     staging_dir,
 )
 from .config import TrainSettings
@@ -169,7 +171,13 @@ class Checkpointer:
             staging_dir(self.out, step)
         self.accelerator.wait_for_everyone()
         tmp = staging_dir(self.out, step, fresh=False)
-        groups = save_shards(tmp, self.model, _torch_optimizer(self.optimizer), self.uses_lora, self.ref_model)
+        try:
+            groups = save_shards(tmp, self.model, _torch_optimizer(self.optimizer), self.uses_lora, self.ref_model)
+        except BaseException as exc:  # DCP gathers every process's write result: they all fail together
+            full = shards_failed(exc, checkpoint_dir(self.out, step), tmp, main)
+            if full is exc:
+                raise
+            raise full from exc
         self.accelerator.wait_for_everyone()
         path = None
         if main:

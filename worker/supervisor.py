@@ -117,7 +117,12 @@ def claim(writer: StoreWriter, run_id: str, worker: str, gang: Gang | None = Non
 
 def _claim_gang(writer: StoreWriter, run_id: str, worker: str, config: dict, nodes: int, gang: Gang) -> bool:
     gpus = int((config.get("resources") or {}).get("gpus", 1))
-    endpoint = gang.endpoint()
+    try:
+        endpoint = gang.endpoint()
+    except OSError as exc:  # COLLAGE_NODE_ADDRESS is not an address of this host
+        log.error("run %s: no rendezvous port on %r (COLLAGE_NODE_ADDRESS): %s; it stays queued", run_id,
+                  gang.address, exc)  # fmt: skip
+        return False
     try:
         claimed = writer.atomically(
             lambda session: claim_gang(

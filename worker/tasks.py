@@ -53,7 +53,10 @@ def run_training(self: Task, run_id: str) -> str | None:
     if nodes_of(run.config) > 1:
         node = node_of(writer.engine, run.id, run.attempt, worker)
         for follower in _followers(writer, run):
-            follow_run.apply_async(args=[run.id, run.attempt], queue=node_queue(follower))
+            try:
+                follow_run.apply_async(args=[run.id, run.attempt], queue=node_queue(follower))
+            except Exception:  # the broker is away: a follower that never starts puts the run back in its queue
+                log.exception("run %s: could not send worker %s its part", run.id, follower)
     try:
         return run_claimed(writer, run, worker, SLOT, node=node, address=settings.node_address, **_options(settings))
     finally:

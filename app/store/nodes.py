@@ -213,7 +213,7 @@ def check_nodes(engine: Engine, run_id: str, attempt: int, timeout: float) -> No
             continue
         if row.started_at is None:
             return NodeVerdict(False, f"node {row.rank} of {nodes} (worker {row.worker}) did not start its part "
-                                      f"within {timeout:.0f}s of the claim (its worker was lost or stopped)")  # fmt: skip
+                                      f"within {timeout:.0f}s of the claim (its worker was busy with a job, lost or stopped)")  # fmt: skip
         return NodeVerdict(True, f"node {row.rank} of {nodes} (worker {row.worker}) stopped beating for {age:.0f}s: "
                                  "its host or worker was lost; the attempt ends on every host")  # fmt: skip
     return None

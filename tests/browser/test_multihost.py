@@ -332,3 +332,32 @@ def test_a_run_on_two_hosts_fails_on_both_when_one_is_lost_and_resumes_on_two_li
     assert rows == [(s, 16) for s in range(1, 7)]
     assert any("resumed from checkpoint at step" in m for m in _events(deployment, run_id))
     assert any(m.startswith("status: running on") and "(node 1)" in m for m in _events(deployment, run_id))
+
+
+def test_a_sharded_run_killed_on_one_host_resumes_on_another_from_its_shards_in_the_bucket(deployment):
+    """FSDP2 on two processes: each writes its shards of a checkpoint, the checkpoint (shards and their manifest)
+    goes to the bucket whole, and after its host is killed the run resumes on a host that never had a file of it."""
+    deployment.start_workers("shard-a", "shard-b", queues="shard")
+    config = run_config(max_steps=6, delay=0.4, resources={"gpus": 0, "processes": 2, "strategy": "fsdp",
+                                                          "queue": "shard"})  # fmt: skip
+    run_id = deployment.api("/runs", "POST", json=config)["id"]
+    deployment.wait_run(run_id, lambda r: bool(deployment.api(f"/runs/{run_id}/checkpoints")["items"]), 300,
+                        "a sharded checkpoint recorded")  # fmt: skip
+    victim = deployment.api(f"/runs/{run_id}")["worker"]
+    deployment.kill_host(victim)
+    run = deployment.wait_run(run_id, lambda r: r["status"] != "running", HEARTBEAT + 30, "the reaper")
+    assert run["status"] == "failed", run
+    assert deployment.api(f"/runs/{run_id}/resume", "POST")["attempt"] == 2
+    run = deployment.wait_run(run_id, lambda r: r["status"] in ("succeeded", "failed"), 400, "the resumed run")
+    assert run["status"] == "succeeded", (run["error"], _events(deployment, run_id))
+    assert run["worker"] != victim
+    assert any("resumed from checkpoint at step" in m for m in _events(deployment, run_id))
+    metrics, rows = _steps(deployment, run_id)
+    assert metrics == list(range(1, 7)) and rows == [(s, 16) for s in range(1, 7)]
+    _every_artifact_is_in_the_bucket(deployment, run_id)
+    bucket = _bucket(deployment)
+    with Session(_engine(deployment)) as session:
+        newest = max(session.scalars(select(Checkpoint.path).where(Checkpoint.run_id == run_id)))
+    keys = bucket.keys_under(newest)
+    assert any(k.endswith("shards.json") for k in keys), keys  # the shards' manifest went with them
+    assert sum(k.endswith(".distcp") for k in keys) == 2, keys  # one file of shards per process

@@ -180,3 +180,24 @@ def test_a_fixed_copy_on_a_full_disk_is_one_line_and_leaves_nothing(small_fs, tm
     assert len(err) == 1 and err[0].startswith(f"collage: error: --fix {out}: could not write "), err
     assert "No space left on device" in err[0] and "Traceback" not in err[0]
     assert not out.exists()
+
+
+def test_a_sharded_checkpoint_on_a_full_disk_fails_the_run_clearly_and_leaves_no_partial_folder(small_fs, tmp_path):
+    """FSDP2 on two processes: each writes its shards of the first checkpoint (torch.distributed.checkpoint) into
+    a staging folder on a disk too small for them; the run fails naming the checkpoint and the space left, once,
+    and no staging folder is left."""
+    artifacts = small_fs("2m")
+    cluster = embedded_cluster(tmp_path, artifacts=artifacts)
+    try:
+        cluster.start_worker("w1")
+        run_id = cluster.submit(max_steps=6, resources={"gpus": 0, "processes": 2, "strategy": "fsdp"})
+        run = cluster.wait_status(run_id, ("failed", "succeeded"), timeout=300)
+    finally:
+        cluster.stop_all()
+    assert run["status"] == "failed", cluster.events(run_id)
+    assert "no space left on device: writing the checkpoint" in run["error"], run["error"]
+    assert f"{artifacts}/runs/{run_id}/attempt-1/checkpoints/step-2" in run["error"], run["error"]
+    assert " free of 2.0 MiB" in run["error"], run["error"]
+    failed = [m for m in cluster.events(run_id) if m.startswith("failed:")]
+    assert len(failed) == 1 and "no space left on device" in failed[0], cluster.events(run_id)
+    assert not list(artifacts.rglob("*.tmp")), "no partial checkpoint folder is left"

@@ -42,7 +42,7 @@ def _supervised(writer, monkeypatch, tmp_path, script: str, heartbeat_timeout: f
 
     run_id = _run(writer)
 
-    def command(run, slot):
+    def command(run, slot, *_node):
         time.sleep(prepare_s)
         return [sys.executable, "-c", script], dict(os.environ), None
 
@@ -134,7 +134,7 @@ def test_a_child_frozen_inside_a_store_write_is_killed_so_its_end_can_be_written
         "time.sleep(600)\n"
     )
     monkeypatch.setattr(
-        supervisor, "child_command", lambda run, slot: ([sys.executable, "-c", script], dict(os.environ), None)
+        supervisor, "child_command", lambda run, slot, *_node: ([sys.executable, "-c", script], dict(os.environ), None)
     )
     reaper = Reaper(writer.engine, scaled(1.5), every=0.25)
     reaper.start()
@@ -180,7 +180,7 @@ def _watched(writer, monkeypatch, tmp_path, script: str, heartbeat_timeout: floa
     pid_file = tmp_path / "child.pid"
     script = f"import os, pathlib; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n{script}"
     monkeypatch.setattr(
-        supervisor, "child_command", lambda run, slot: ([sys.executable, "-c", script], dict(os.environ), None)
+        supervisor, "child_command", lambda run, slot, *_node: ([sys.executable, "-c", script], dict(os.environ), None)
     )
     reaper = Reaper(writer.engine, heartbeat_timeout, every=0.25)
     reaper.start()
