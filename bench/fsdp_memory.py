@@ -9,7 +9,10 @@ process's peak RSS (``ru_maxrss``, read at the process's exit), the median step 
 and the checkpoint's sizes (the sharded checkpoint's shard per process against the DDP checkpoint's model and
 optimizer state); ``collage plan``'s prediction for each strategy is set beside them.
 
-    .venv/bin/python -m bench.fsdp_memory [--repeats 2] [--steps 3]
+    .venv/bin/python -m bench.fsdp_memory [--repeats 2] [--steps 3] [--profile]
+
+``--profile`` adds one DDP/FSDP2 pair under cProfile (apart from the timed pairs): rank 0's own time by function,
+and by category (gloo collectives, FSDP2's bookkeeping), to say where FSDP2's extra step time goes.
 
 It writes ``docs/fsdp-memory.json``; docs/benchmarks.md quotes it.
 """
@@ -29,11 +32,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12, "num_key_value_heads": 2,
          "num_hidden_layers": 4}  # fmt: skip
 PROBE = """import atexit, json, os, resource, sys
+_profile = None
+if os.environ.get("COLLAGE_BENCH_PROFILE") and os.environ.get("RANK") is not None:
+    import cProfile
+    _profile = cProfile.Profile()
+    _profile.enable()
 def _record():
     rank = os.environ.get("RANK")
     if rank is not None:
         with open(os.path.join(os.environ["COLLAGE_BENCH_RSS"], "rank-" + rank), "w") as fh:
             fh.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        if _profile is not None:
+            _profile.disable()
+            _profile.dump_stats(os.path.join(os.environ["COLLAGE_BENCH_PROFILE"], "rank-" + rank + ".prof"))
 atexit.register(_record)
 _exit = os._exit
 def _recorded_exit(code):
@@ -77,7 +88,7 @@ def run_config(model: Path, strategy: str, steps: int) -> dict:
     }  # fmt: skip
 
 
-def run_once(work: Path, model: Path, strategy: str, steps: int, tag: str) -> dict:
+def run_once(work: Path, model: Path, strategy: str, steps: int, tag: str, profile: bool = False) -> dict:
     import yaml
 
     cfg = work / f"{tag}.yaml"
@@ -86,17 +97,47 @@ def run_once(work: Path, model: Path, strategy: str, steps: int, tag: str) -> di
     rss.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLLAGE_BENCH_RSS": str(rss),
            "PYTHONPATH": f"{work / 'probe'}{os.pathsep}{ROOT}", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    if profile:
+        env["COLLAGE_BENCH_PROFILE"] = str(rss)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "-m", "collage.app.cli", "train", str(cfg), "--out", str(out), "--quiet"]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {
+    result = {
         "strategy": strategy,
-        "peak_rss": sorted(int(f.read_text()) for f in rss.iterdir()),
+        "peak_rss": sorted(int(f.read_text()) for f in rss.glob("rank-?")),
         "step_time": statistics.median(m["step_time"] for m in metrics[1:]),
+        # where a step's time goes, by the trainer's own timers (median over the steps after the first)
+        "timing": {k: statistics.median(m[k] for m in metrics[1:]) for k in metrics[-1] if k.startswith("timing/")},
         "checkpoint": checkpoint_sizes(out / "checkpoints" / f"step-{steps}"),
     }
+    if profile:
+        result["profile"] = profile_summary(rss / "rank-0.prof")
+    return result
+
+
+# what a profile's functions are, by where they come from (the categories docs/benchmarks.md compares)
+CATEGORIES = {
+    "collectives (gloo)": ("distributed_c10d.py", "_functional_collectives", "_fsdp_collectives", "c10d"),
+    "FSDP2 bookkeeping": ("_fsdp_param", "_fsdp_param_group", "_fsdp_state", "_fully_shard"),
+    "autograd backward": ("run_backward", "_engine_run_backward"),
+}
+
+
+def profile_summary(path: Path, top: int = 15) -> dict:
+    """Rank 0's profile: the functions with the most time of their own, and the time of each category."""
+    import pstats
+
+    stats = pstats.Stats(str(path))
+    rows = [(f"{Path(file).name}:{line}({name})", tottime, cumtime)
+            for (file, line, name), (_, _, tottime, cumtime, _) in stats.stats.items()]  # type: ignore[attr-defined]  # fmt: skip
+    rows.sort(key=lambda r: r[1], reverse=True)
+    categories = {c: round(sum(t for f, t, _ in rows if any(m in f for m in marks)), 2)
+                  for c, marks in CATEGORIES.items()}  # fmt: skip
+    return {"total_s": round(sum(t for _, t, _ in rows), 2), "own_time_by_category_s": categories,
+            "top_own_time": [{"function": f, "own_s": round(t, 2), "cumulative_s": round(c, 2)}
+                             for f, t, c in rows[:top]]}  # fmt: skip
 
 
 def checkpoint_sizes(folder: Path) -> dict:
@@ -121,6 +162,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "fsdp-memory.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more DDP/FSDP2 pair under cProfile (rank 0's own time by function and category)")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="collage-fsdp-bench-") as tmp:
         work = Path(tmp)
@@ -130,6 +173,9 @@ def main() -> None:
         model = build_model(work / "model", work / "home")
         runs = [run_once(work, model, s, args.steps, f"{s}-{r}") for r in range(args.repeats) for s in ("ddp", "fsdp")]
         result = {"shape": SHAPE, "steps": args.steps, "plan": predictions(model, args.steps), "runs": runs}
+        if args.profile:  # apart from the timed runs: the profiler slows the Python side down
+            result["profiled"] = [run_once(work, model, s, args.steps, f"{s}-profiled", profile=True)
+                                  for s in ("ddp", "fsdp")]  # fmt: skip
     args.out.write_text(json.dumps(result, indent=1))
     for run in runs:
         print(run["strategy"], [f"{b / 2**30:.2f} GiB" for b in run["peak_rss"]], f"{run['step_time']:.2f} s",
