@@ -9,7 +9,8 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .models import ApiToken, Run
+from collage.app.store.tables import ApiToken, Run
+
 from .state import engine_of
 from .store.tokens import TokenRole, active_token, verify_token
 from .web.session import CSRF_HEADER, cross_origin, csrf_ok, current_session, live_session

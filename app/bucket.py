@@ -17,9 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from collage.app.core.settings import Settings
 from collage.training.objectstore import ObjectMirror, StorageUnreachable, mirror_for
-
-from .settings import Settings
 
 T = TypeVar("T")
 

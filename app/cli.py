@@ -54,10 +54,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     synth = {}
     if args.source.startswith("synth:"):
         synth = dict(rows=args.rows, min_images=args.min_images, max_images=args.max_images, seed=args.seed)
+    from collage.app.core.settings import get_settings
     from collage.training.data.errors import DatasetError
 
     from .progress import CountProgress
-    from .settings import get_settings
 
     roots = get_settings().data_roots or None  # with COLLAGE_DATA_ROOTS set, images are confined as a worker does
     bar = CountProgress("checking rows") if not args.json else None
@@ -154,8 +154,8 @@ def _cmd_preview(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from .db import current_revision, engine_for, upgrade
-    from .settings import get_settings
+    from collage.app.core.settings import get_settings
+    from collage.app.store.engine import current_revision, engine_for, upgrade
 
     url = get_settings().database_url
     upgrade(url)
@@ -165,7 +165,8 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_create(args: argparse.Namespace) -> int:
-    from .db import migrated_store
+    from collage.app.store.engine import migrated_store
+
     from .store.tokens import create_token
 
     token = create_token(migrated_store(), args.name, args.role, args.expires)
@@ -175,7 +176,8 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_list(args: argparse.Namespace) -> int:
-    from .db import migrated_store
+    from collage.app.store.engine import migrated_store
+
     from .store.tokens import list_tokens, usable
 
     rows: list[tuple[str, ...]] = [("NAME", "ROLE", "PREFIX", "CREATED", "LAST USED", "EXPIRES", "STATE")]
@@ -190,7 +192,8 @@ def _cmd_token_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_revoke(args: argparse.Namespace) -> int:
-    from .db import migrated_store
+    from collage.app.store.engine import migrated_store
+
     from .store.tokens import revoke_token
 
     revoke_token(migrated_store(), args.name)
@@ -199,9 +202,10 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_link(args: argparse.Namespace) -> int:
-    from .db import migrated_store
+    from collage.app.core.settings import get_settings
+    from collage.app.store.engine import migrated_store
+
     from .serve_record import resolve_server
-    from .settings import get_settings
     from .store.tokens import create_login_link
 
     code = create_login_link(migrated_store(), args.name)
@@ -212,17 +216,18 @@ def _cmd_token_link(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .extras import require
+    from collage.app.core.extras import require
 
     require("web", "collage serve")
     if args.workers:
         require(
             "worker", f"collage serve --workers {args.workers} (embedded training workers; --workers 0 serves only)"
         )
+    from collage.app.core.settings import get_settings
+
     from .progress import quiet_library_progress_bars
     from .serve import serve, token_file
     from .serve_record import Recorder, client_url
-    from .settings import get_settings
 
     quiet_library_progress_bars()  # for the workers and the dataset helper serve starts: they inherit it
     home = get_settings().home
@@ -259,7 +264,7 @@ def allow_embedded_root() -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from .extras import require
+    from collage.app.core.extras import require
 
     require("worker", "collage worker")
     from .progress import quiet_library_progress_bars
@@ -312,7 +317,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         callbacks.append(TrackersCallback(config.logging.report_to, warn))
     try:
-        from .settings import get_settings
+        from collage.app.core.settings import get_settings
 
         roots = get_settings().data_roots or None  # COLLAGE_DATA_ROOTS set: image paths confined as on a worker
         result = Trainer(config, out, callbacks, resume=args.resume, data_roots=roots).train()
@@ -323,7 +328,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .extras import require
+    from collage.app.core.extras import require
 
     require("worker", "collage export")
     from .export_cli import export_command
@@ -439,7 +444,7 @@ def _add_server_commands(commands: Commands) -> None:
 
 def _add_client_commands(commands: Commands) -> None:
     """``collage submit`` and ``collage runs list|cancel|logs``: a server's REST API from the shell."""
-    from .status import RunStatus
+    from collage.app.core.status import RunStatus
 
     submit = commands.add_parser("submit", help="submit a run config to a Collage server")
     submit.add_argument("config")
@@ -592,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"collage: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except ModuleNotFoundError as exc:
-        from .extras import missing_extra
+        from collage.app.core.extras import missing_extra
 
         missing = missing_extra(exc, f"collage {args.command}")
         if missing is None:

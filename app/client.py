@@ -12,9 +12,10 @@ from typing import Any
 
 import httpx
 
-from .errors import WebError
+from collage.app.core.errors import WebError
+from collage.app.core.settings import ClientSettings, get_settings
+
 from .serve_record import resolve_server
-from .settings import ClientSettings, get_settings
 
 
 class ApiError(WebError):

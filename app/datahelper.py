@@ -304,7 +304,7 @@ def main() -> int:
     from collage.training.private import private_umask
 
     private_umask()  # the preview images it writes into the artifacts are private
-    from collage.app.settings import get_settings
+    from collage.app.core.settings import get_settings
 
     # the web process hands its environment on: COLLAGE_DATA_HELPER_IDLE is read here, through Settings
     idle = get_settings().data_helper_idle

@@ -33,12 +33,11 @@ from typing import Any
 
 from fastapi import HTTPException
 
+from collage.app.core.errors import WebError
+from collage.app.core.settings import Settings, home_from
+from collage.app.store.tables import ApiToken
 from collage.training.data.check import remove_temp_files_of
 from collage.training.data.synth import remove_temp_folders_of
-
-from .errors import WebError
-from .models import ApiToken
-from .settings import Settings, home_from
 
 log = logging.getLogger("collage.api")
 

@@ -13,13 +13,13 @@ from typing import Any
 import anyio.from_thread
 from fastapi import HTTPException
 
+from collage.app.core.settings import Settings
+from collage.app.core.trust import is_local
+from collage.app.store.tables import ApiToken
 from collage.training.config import RunConfig
 from collage.training.data.mapping import RowMapping
 
 from .dataset_helper import DatasetGate, run_gated
-from .models import ApiToken
-from .settings import Settings
-from .trust import is_local
 
 PROBE_ROWS = 50
 

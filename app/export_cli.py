@@ -39,8 +39,8 @@ def _from_folder(folder: Path) -> tuple[list[store.CheckpointEntry], store.BestR
 def _from_store(run_id: str) -> tuple[list[store.CheckpointEntry], store.BestRule, dict[str, Any], str]:
     from sqlmodel import Session
 
-    from .db import migrated_store
-    from .models import Run
+    from collage.app.store.engine import migrated_store
+    from collage.app.store.tables import Run
 
     engine = migrated_store()
     with Session(engine) as session:
@@ -58,7 +58,7 @@ def _from_store(run_id: str) -> tuple[list[store.CheckpointEntry], store.BestRul
 def _local_checkpoint(recorded: str) -> Path:
     """The checkpoint the store records, on this machine: with object storage the store records it relative to the
     artifacts, and it is downloaded (manifest-checked) into this machine's cache of the bucket when missing."""
-    from .settings import get_settings
+    from collage.app.core.settings import get_settings
 
     settings = get_settings()
     path = Path(recorded) if Path(recorded).is_absolute() else settings.artifacts / recorded
@@ -68,7 +68,7 @@ def _local_checkpoint(recorded: str) -> Path:
 
 def _missing_checkpoint(step: int, label: str, checkpoint: Path, from_store: bool) -> str:
     """Where a checkpoint was looked for: a bucket is named only when this machine's artifacts are one."""
-    from .settings import get_settings
+    from collage.app.core.settings import get_settings
 
     where = f"checkpoint step {step} of {label} is at {checkpoint}"
     if from_store and get_settings().remote_artifacts:

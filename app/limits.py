@@ -12,9 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl
 
+from collage.app.core.errors import WebError
 from collage.training.config import NUL_MESSAGE
-
-from .errors import WebError
 
 
 async def _send_json(send, status: int, content: Any) -> None:

@@ -12,12 +12,12 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.staticfiles import StaticFiles
 
+from collage.app.core.settings import Settings, get_settings
+from collage.app.store.engine import check_migrated, engine_for
 from collage.training.config import error_message, error_path, format_errors
 
-from .db import check_migrated, engine_for
 from .dispatch import Dispatcher
 from .limits import BodySizeLimit, BodyTooLarge, RefuseNul
-from .settings import Settings, get_settings
 from .state import init_state, settings_of
 from .unavailable import StoreUnavailable
 from .version import collage_version

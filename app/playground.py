@@ -16,19 +16,18 @@ from typing import Any
 from PIL import Image, ImageOps, UnidentifiedImageError
 from sqlmodel import Session
 
+from collage.app.core.errors import WebError
+from collage.app.core.settings import Settings
+from collage.app.core.trust import base_model_problem, tool_violation
+from collage.app.store.tables import Run
 from collage.training.config import ConfigError, RunConfig, parse_config
 from collage.training.data.errors import RowError
 from collage.training.data.rows import normalise_prompt
 from collage.training.images import RASTER_FORMATS, ImageRefused, decode_raster
-from collage.training.models.families import TINY_FAMILIES
 
-from .errors import WebError
-from .models import Run
 from .schemas import PLAYGROUND_TOOL_CALLS_MAX
-from .settings import Settings
 from .store import checkpoints as checkpoint_store
 from .store.checkpoints import CheckpointEntry
-from .trust import TINY, is_hub_id, is_local, local_model_violation, tool_violation
 
 # the formats an upload may have: the raster allowlist of training.images, narrowed to what browsers and cameras
 # write (MPO is how Pillow names a multi-picture JPEG, decoded by the same JPEG decoder)
@@ -217,21 +216,6 @@ def find_checkpoint(
     return entry
 
 
-def base_model_problem(path: str, settings: Settings) -> str | None:
-    """Why a base model path may not be loaded by the playground, or None: ``tiny:<family>``, or an absolute folder
-    under COLLAGE_MODEL_ROOTS. A hub id is never downloaded for the playground (nothing outside the roots)."""
-    if TINY.match(path):
-        family = path.removeprefix("tiny:")
-        return (
-            None if family in TINY_FAMILIES else f"no tiny model {path!r}: choose tiny:{', tiny:'.join(TINY_FAMILIES)}"
-        )
-    roots = settings.allowed_model_roots()
-    if is_local(path):
-        return local_model_violation(path, roots)
-    what = "a hub id is not downloaded by the playground" if is_hub_id(path) else "a relative path is never read"
-    return f"the playground loads tiny:<family> or an absolute model folder under the operator's roots ({what})"
-
-
 def resolve_model(session: Session, ref: dict[str, Any], index: int, settings: Settings) -> ResolvedModel:
     where = f"models[{index}]"
     if ref.get("path") is not None:
@@ -309,15 +293,3 @@ def request_tool_calls(asked: int | None, models: list[ResolvedModel]) -> int:
     if not runs:
         return TOOL_CALLS_DEFAULT
     return max(1, min(PLAYGROUND_TOOL_CALLS_MAX, int(runs[0].max_tool_calling_iterations or 0)))
-
-
-def model_summary(model: dict[str, Any]) -> dict[str, Any]:
-    """How a resolved model (a job request's ``models`` entry) is shown: no server path but a base model's own."""
-    return {
-        "label": model["label"],
-        "kind": model["kind"],
-        "path": model["path"] if model["kind"] == "base" else None,
-        "run": model.get("run"),
-        "run_name": model.get("run_name"),
-        "step": model.get("step"),
-    }

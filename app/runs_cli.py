@@ -15,8 +15,9 @@ from typing import Any
 
 import httpx
 
+from collage.app.core.status import ENDED
+
 from .client import ApiError, call, connect
-from .status import ENDED
 
 EVENTS_PAGE = 1000  # the API's most per request
 

@@ -13,11 +13,11 @@ import threading
 import time
 from pathlib import Path
 
+from collage.app.core.settings import get_settings
+from collage.app.store.engine import engine_for, upgrade
 from collage.training.data.synth import clean_stale_temp_folders
 from collage.training.objectstore import CACHE_UNITS
 
-from .db import engine_for, upgrade
-from .settings import get_settings
 from .store.tokens import TokenRole, create_login_link, create_token, list_tokens, revoke_token, usable, verify_token
 
 

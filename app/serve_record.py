@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from .settings import ClientSettings
+from collage.app.core.settings import ClientSettings
 
 FALLBACK_URL = "http://127.0.0.1:8000"
 FOLDER = "serve"

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
+from collage.app.core.settings import Settings
+
 from .dispatch import Dispatcher
-from .settings import Settings
 from .store.writer import StoreWriter
 
 if TYPE_CHECKING:  # imported when first used: the token check and the pages import this module, not the helper

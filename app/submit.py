@@ -9,10 +9,11 @@ from pathlib import Path
 import httpx
 import yaml
 
+from collage.app.core.settings import get_settings
+from collage.app.core.status import ENDED, RunStatus
+
 from .client import ApiError, connect, detail
 from .serve_record import resolve_server, wait_ready
-from .settings import get_settings
-from .status import ENDED, RunStatus
 
 READY_WAIT = 120.0  # seconds `collage submit` waits for a serve that is still starting its workers
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import WebError
+from collage.app.core.errors import WebError
 
 CHUNK = 1 << 20  # bytes read and sent at a time
 BLOCK = tarfile.BLOCKSIZE  # 512

@@ -10,15 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from collage.training.config import RunConfig
-from collage.training.data.loader import split_problem
-from collage.training.data.synth import TASKS, Task
-from collage.training.models.families import TINY_FAMILIES
-from collage.training.rewards.builtins import BUILTINS
-from collage.training.rewards.registry import IMPORT_PATH
-
-from .settings import Settings, get_settings
-from .trust import (
+from collage.app.core.settings import Settings, get_settings
+from collage.app.core.trust import (
     dataset_violation,
     environment_violation,
     is_local,
@@ -27,6 +20,12 @@ from .trust import (
     split_violation,
     tool_violation,
 )
+from collage.training.config import RunConfig
+from collage.training.data.loader import split_problem
+from collage.training.data.synth import TASKS, Task
+from collage.training.models.families import TINY_FAMILIES
+from collage.training.rewards.builtins import BUILTINS
+from collage.training.rewards.registry import IMPORT_PATH
 
 UNKNOWN_REWARD = (
     "built-ins are {builtins}; a user function is 'package.module:function' from a module the operator "

@@ -34,10 +34,10 @@ def main() -> None:
     from fastapi.testclient import TestClient
     from sqlmodel import Session
 
-    from collage.app.db import engine_for, upgrade
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.models import Run
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for, upgrade
+    from collage.app.store.tables import Run
     from collage.app.store.tokens import create_token
     from collage.worker.dispatcher import CeleryDispatcher
 

@@ -178,8 +178,8 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="collage-image-bench-"))
     os.environ.update(COLLAGE_HOME=str(home), **CREDENTIALS)
     sys.path.insert(0, str(ROOT))
-    from collage.app.db import engine_for, upgrade
-    from collage.app.settings import Settings
+    from collage.app.core.settings import Settings
+    from collage.app.store.engine import engine_for, upgrade
     from collage.app.store.tokens import create_token
 
     database = f"sqlite:///{home / 'collage.db'}"

@@ -145,10 +145,10 @@ def _child(code: str, *argv: str) -> dict:
 def preview_times(files: dict[int, Path], repeats: int) -> dict[int, dict[str, float]]:
     from fastapi.testclient import TestClient
 
-    from collage.app.db import engine_for, upgrade
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
     from collage.app.routers import datasets
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for, upgrade
     from collage.app.store.tokens import create_token
 
     class NoDispatcher:

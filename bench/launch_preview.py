@@ -39,10 +39,10 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from fastapi.testclient import TestClient
 
-    from collage.app.db import engine_for, upgrade
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
     from collage.app.routers import datasets
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for, upgrade
     from collage.app.store.tokens import create_token
 
     subprocess.run([sys.executable, "-m", "collage.app.cli", "models", "build-tiny", "qwen2-vl", "--out",

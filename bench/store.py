@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 from sqlalchemy import insert, update  # noqa: E402
 
-from collage.app.db import engine_for, upgrade  # noqa: E402
-from collage.app.models import Image, Run  # noqa: E402
+from collage.app.store.engine import engine_for, upgrade  # noqa: E402
 from collage.app.store.images import relative_path  # noqa: E402
+from collage.app.store.tables import Image, Run  # noqa: E402
 from collage.app.store.writer import NULL_REWARD, StoreWriter, prompt_text  # noqa: E402
 
 API = "/api/v1"
@@ -242,7 +242,7 @@ def fill(store: Store, args: argparse.Namespace, artifacts: Path) -> None:
     finally:
         raw.close()
     # the bulk load bypassed the writer, which keeps the metric rollups: build them as it would have
-    from collage.app.db import session_scope
+    from collage.app.store.engine import session_scope
     from collage.app.store.rollups import rebuild
 
     rollup_started = time.perf_counter()
@@ -494,9 +494,9 @@ def _check(query: Query, response) -> None:
 def measure(store: Store, args: argparse.Namespace, home: Path) -> list[tuple[str, float, float]]:
     from fastapi.testclient import TestClient
 
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
     from collage.app.serve import freeze_startup_heap
-    from collage.app.settings import Settings
     from collage.app.store.tokens import create_token
 
     settings = Settings(home=home, database_url=store.url, broker_url="memory://", artifacts=home / "artifacts")
@@ -575,7 +575,7 @@ def reopen(store: Store) -> None:
     """The runs of a store this script filled before (``--reuse-db``)."""
     from sqlalchemy import distinct, func, select
 
-    from collage.app.models import MetricRollup
+    from collage.app.store.tables import MetricRollup
 
     with engine_for(store.url).connect() as conn:
         store.run_ids = list(conn.execute(select(Run.id).order_by(Run.name)).scalars())

@@ -1,4 +1,4 @@
-"""Alembic environment: the URL comes from the config Collage builds (``collage.app.db.alembic_config``), or
+"""Alembic environment: the URL comes from the config Collage builds (``collage.app.store.engine.alembic_config``), or
 from COLLAGE_DATABASE_URL when Alembic is run by hand with ``-c migrations/alembic.ini``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from alembic import context
 from sqlalchemy import engine_from_config, pool
 from sqlmodel import SQLModel
 
-import collage.app.models  # noqa: F401  - registers the tables on SQLModel.metadata
+import collage.app.store.tables  # noqa: F401  - registers the tables on SQLModel.metadata
 
 config = context.config
 target_metadata = SQLModel.metadata
@@ -23,8 +23,8 @@ def run_migrations_online() -> None:
     connectable = config.attributes.get("connection")
     if connectable is None:
         if not config.get_main_option("sqlalchemy.url"):
-            from collage.app.db import normalise_url
-            from collage.app.settings import get_settings
+            from collage.app.core.settings import get_settings
+            from collage.app.store.engine import normalise_url
 
             config.set_main_option("sqlalchemy.url", normalise_url(get_settings().database_url).replace("%", "%%"))
         engine = engine_from_config(

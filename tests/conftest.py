@@ -125,7 +125,7 @@ def postgres_url():
         conn.execute(f'ALTER DATABASE "{name}" SET synchronous_commit = off')
     base = PG_ADMIN_URL.rsplit("/", 1)[0]
     yield f"{base}/{name}"
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     engine_for.cache_clear()
     with psycopg.connect(admin, autocommit=True) as conn:
@@ -134,7 +134,7 @@ def postgres_url():
 
 @pytest.fixture(scope="session")
 def migrated_sqlite_url(tmp_path_factory):
-    from collage.app.db import upgrade
+    from collage.app.store.engine import upgrade
 
     url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'collage.db'}"
     upgrade(url)
@@ -143,7 +143,7 @@ def migrated_sqlite_url(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def migrated_postgres_url(postgres_url):
-    from collage.app.db import upgrade
+    from collage.app.store.engine import upgrade
 
     upgrade(postgres_url)
     return postgres_url
@@ -163,9 +163,9 @@ def api(database_url, tmp_path):
     """``(client, token, dispatcher, app)`` on a real app and database; the dispatcher is a test double."""
     from fastapi.testclient import TestClient
 
-    from collage.app.db import engine_for
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for
     from collage.app.store.tokens import create_token
 
     settings = Settings(

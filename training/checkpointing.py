@@ -174,10 +174,10 @@ class Checkpointer:
         try:
             groups = save_shards(tmp, self.model, _torch_optimizer(self.optimizer), self.uses_lora, self.ref_model)
         except BaseException as exc:  # DCP gathers every process's write result: they all fail together
-            full = shards_failed(exc, checkpoint_dir(self.out, step), tmp, main)
-            if full is exc:
+            failed = shards_failed(exc, checkpoint_dir(self.out, step), tmp, main)
+            if failed is exc:
                 raise
-            raise full from exc
+            raise failed from exc
         self.accelerator.wait_for_everyone()
         path = None
         if main:

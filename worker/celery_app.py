@@ -11,7 +11,7 @@ from pathlib import Path
 
 from celery import Celery
 
-from collage.app.settings import Settings, get_settings
+from collage.app.core.settings import Settings, get_settings
 
 from .broker import celery_broker_url
 
@@ -23,11 +23,11 @@ JOB_TASK_NAME = "collage.job"  # an export or a playground generation (worker/jo
 def make_celery(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
     if settings.broker_url.startswith(("redis://", "rediss://")):
-        from collage.app.extras import require
+        from collage.app.core.extras import require
 
         require("redis", "a Redis broker (COLLAGE_BROKER_URL)")
     if settings.broker_url.startswith("sqla+sqlite:///"):
-        from collage.app.db import private_file
+        from collage.app.store.engine import private_file
 
         private_file(Path(settings.broker_url.removeprefix("sqla+sqlite:///")))
     app = Celery(

@@ -125,8 +125,8 @@ class Attempt:
     is conditioned on the attempt being current; only process 0 of a multi-process run writes."""
 
     def __init__(self, run_id: str, attempt: int) -> None:
-        from collage.app.db import engine_for
-        from collage.app.settings import get_settings
+        from collage.app.core.settings import get_settings
+        from collage.app.store.engine import engine_for
         from collage.app.store.writer import StoreWriter
 
         self.run_id, self.attempt = run_id, attempt
@@ -144,7 +144,7 @@ class Attempt:
         from sqlalchemy import select
         from sqlmodel import col
 
-        from collage.app.models import Run
+        from collage.app.store.tables import Run
 
         def read(session: Any) -> dict | None:
             row = session.execute(
@@ -269,7 +269,7 @@ class Attempt:
         """Record the attempt's failure; the exit code. Any process may: the first to fail is the one that knows
         why (its peers fail after it, with a collective's "connection closed by peer" once its sockets close at its
         exit), and the transition takes only the first."""
-        from collage.app.status import ACTIVE, RunStatus
+        from collage.app.core.status import ACTIVE, RunStatus
         from collage.app.store.faults import is_store_fault
         from collage.training.diskspace import DiskFull
 
@@ -293,7 +293,7 @@ class Attempt:
         return EXIT_FAILED
 
     def finish(self, status: str, step: int) -> None:
-        from collage.app.status import ACTIVE, RunStatus
+        from collage.app.core.status import ACTIVE, RunStatus
 
         if self.rank == 0:
             self.store.transition(self.run_id, ACTIVE, RunStatus(status), when_attempt=self.attempt,
@@ -418,8 +418,8 @@ def begin(attempt: Attempt) -> tuple[dict, Path | None] | int:
 
 def main(run_id: str, attempt_number: int) -> int:
     stop_signal = _prepare_process()
+    from collage.app.core.trust import config_violations
     from collage.app.store.writer import StaleAttempt
-    from collage.app.trust import config_violations
     from collage.training.config import parse_config
     from collage.training.objectstore import StorageError
     from collage.training.trainer import TrainingError

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from collage.app.settings import Settings
+from collage.app.core.settings import Settings
 from collage.app.store.jobs import broker_queue
 from collage.app.store.workers import live_workers
 

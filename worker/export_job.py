@@ -32,10 +32,10 @@ from typing import IO, Any
 
 from sqlmodel import Session
 
-from collage.app.models import Run
-from collage.app.status import RunStatus
+from collage.app.core.status import RunStatus
 from collage.app.store import checkpoints as checkpoint_store
 from collage.app.store import exports as export_store
+from collage.app.store.tables import Run
 
 from .jobs import JobContext, JobFailed
 
@@ -46,7 +46,7 @@ CHECK_EVERY = 1.0  # seconds between looks at the job's cancel flag while the ex
 
 def run_export(context: JobContext) -> dict[str, Any]:
     """Make the export the job asks for; returns its result (``path`` relative to the artifacts, ``bytes``, ...)."""
-    from collage.app.trust import model_violation
+    from collage.app.core.trust import model_violation
     from collage.training.config import ConfigError, parse_config
 
     job, settings = context.job, context.settings

@@ -20,11 +20,11 @@ from typing import Any
 
 from celery import Task
 
-from collage.app.db import engine_for
-from collage.app.models import Job
-from collage.app.settings import Settings, get_settings
-from collage.app.status import JobKind, RunStatus
+from collage.app.core.settings import Settings, get_settings
+from collage.app.core.status import JobKind, RunStatus
 from collage.app.store import jobs as store
+from collage.app.store.engine import engine_for
+from collage.app.store.tables import Job
 
 from .celery_app import JOB_TASK_NAME, celery_app
 from .errors import WorkerError

@@ -11,8 +11,8 @@ import time
 
 from celery import signals
 
-from collage.app.db import check_migrated, engine_for
-from collage.app.settings import get_settings
+from collage.app.core.settings import get_settings
+from collage.app.store.engine import check_migrated, engine_for
 from collage.app.store.jobs import broker_queue
 from collage.app.store.nodes import node_queue
 from collage.training.data.synth import clean_stale_temp_folders

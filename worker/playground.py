@@ -32,11 +32,11 @@ from typing import Any
 
 from celery import signals
 
-from collage.app.playground import base_model_problem, model_summary
-from collage.app.settings import Settings
-from collage.app.status import RunStatus
+from collage.app.core.settings import Settings
+from collage.app.core.status import RunStatus
+from collage.app.core.trust import base_model_problem, reward_violation, tool_violation
 from collage.app.store import jobs as store
-from collage.app.trust import reward_violation, tool_violation
+from collage.app.store.jobs import model_summary
 
 from .errors import WorkerError
 from .jobs import JobCancelled, JobContext, JobFailed

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from collage.app.models import Run, utcnow
-from collage.app.settings import Settings
+from collage.app.core.settings import Settings
 from collage.app.store.jobs import broker_queue, queued_jobs
 from collage.app.store.queueing import queued_runs
+from collage.app.store.tables import Run, utcnow
 from collage.app.store.writer import StoreWriter
 
 if TYPE_CHECKING:

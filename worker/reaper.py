@@ -11,10 +11,10 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from collage.app.models import Run, utcnow
-from collage.app.status import ACTIVE, RunStatus
+from collage.app.core.status import ACTIVE, RunStatus
 from collage.app.store.jobs import reap_jobs
 from collage.app.store.nodes import free_stale_reservations
+from collage.app.store.tables import Run, utcnow
 from collage.app.store.workers import forget_stale
 from collage.app.store.writer import StoreWriter
 

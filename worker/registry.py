@@ -21,9 +21,9 @@ from sqlalchemy import delete
 from sqlalchemy.engine import Engine
 from sqlmodel import col
 
-from collage.app.db import session_scope
-from collage.app.models import Worker, table_of, utcnow
+from collage.app.store.engine import session_scope
 from collage.app.store.sql import upsert
+from collage.app.store.tables import Worker, table_of, utcnow
 from collage.training.diskspace import existing_ancestor, space
 
 log = logging.getLogger("collage.worker")

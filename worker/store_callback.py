@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from collage.app.models import RunStatus
+from collage.app.store.tables import RunStatus
 from collage.app.store.writer import ImageIn, SampleIn, StaleAttempt, StoreWriter
 from collage.training.callbacks import BackgroundWriter, Callback, CheckpointInfo, RolloutRow
 from collage.training.objectstore import ObjectMirror

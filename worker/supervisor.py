@@ -33,8 +33,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlmodel import Session, col
 
-from collage.app.models import Run, utcnow
-from collage.app.status import ACTIVE, ENDED, RunStatus
+from collage.app.core.status import ACTIVE, ENDED, RunStatus
 from collage.app.store.faults import store_disk_full
 from collage.app.store.nodes import (
     GangNotReady,
@@ -49,6 +48,7 @@ from collage.app.store.nodes import (
     requeue,
 )
 from collage.app.store.queueing import queue_of
+from collage.app.store.tables import Run, utcnow
 from collage.app.store.writer import StaleAttempt, StoreWriter
 from collage.training.diskspace import DiskFull
 

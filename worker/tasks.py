@@ -10,11 +10,11 @@ from celery import Task
 from sqlalchemy import select
 from sqlmodel import Session, col
 
-from collage.app.db import engine_for
-from collage.app.models import Run, RunNode
-from collage.app.settings import Settings, get_settings
+from collage.app.core.settings import Settings, get_settings
+from collage.app.store.engine import engine_for
 from collage.app.store.nodes import node_of, node_queue, nodes_of, release, reservation, start_node
 from collage.app.store.queueing import queue_of
+from collage.app.store.tables import Run, RunNode
 from collage.app.store.writer import StoreWriter
 
 from .celery_app import FOLLOW_TASK_NAME, TASK_NAME, celery_app

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from collage.app.extras import missing_extra
+from collage.app.core.extras import missing_extra
 from collage.training.callbacks import Callback, RolloutRow
 from collage.training.rewards.builtins import prompt_text
 

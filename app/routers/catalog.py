@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends
 
+from collage.app.core.trust import confined
 from collage.training.models.families import FAMILIES, TINY_FAMILIES
 from collage.training.rewards.builtins import BUILTINS
 from collage.training.tools.image_tools import BUILTIN_TOOLS
@@ -14,7 +15,6 @@ from collage.training.tools.image_tools import BUILTIN_TOOLS
 from ..auth import UNAUTHORIZED, require_token
 from ..deps import SettingsDep
 from ..schemas import FamilyInfo, ModelsOut, RewardInfo, RewardsOut, ToolInfo, ToolsInfo
-from ..trust import confined
 
 router = APIRouter(tags=["catalog"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)
 

@@ -14,14 +14,14 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, HTTPException
 from sqlmodel import Session
 
+from collage.app.core.settings import Settings
+from collage.app.store.tables import Run
 from collage.training.objectstore import ObjectMirror
 
 from .. import tarstream
 from ..auth import UNAUTHORIZED, Responses, require_token
 from ..deps import ExportSlotsDep, SessionDep, SettingsDep, StreamSessionDep
-from ..models import Run
 from ..schemas import CheckpointList, CheckpointOut, ErrorOut, ValidationErrorOut
-from ..settings import Settings
 from ..store import checkpoints as store
 from .common import API, get_run_or_404
 from .downloads import SlotStream, hold_export_slot

@@ -7,7 +7,8 @@ from typing import Any
 from fastapi import HTTPException
 from sqlmodel import Session
 
-from ..models import Run, Sample
+from collage.app.store.tables import Run, Sample
+
 from ..schemas import ImageRef, Progress, RunOut, SampleOut, TrajectoryImageRef, TrajectoryTurn
 from ..store.queries import best_model_metric
 

@@ -17,6 +17,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
+from collage.app.core.settings import Settings
+from collage.app.core.trust import split_violation
 from collage.training.config import IMAGES_MAX, SEED_MAX, DatasetSettings
 from collage.training.data.mapping import parse_columns
 
@@ -27,9 +29,7 @@ from ..dataset_helper import run_gated
 from ..dataset_helper import warm_up as warm_up  # the launch page starts the helper early
 from ..deps import CurrentUser, DatasetGateDep, EngineDep, SettingsDep
 from ..schemas import DatasetCheckOut, DatasetCheckRequest, DatasetPreviewOut, PreviewRow
-from ..settings import Settings
 from ..store.image_index import register_images
-from ..trust import split_violation
 from ..validation import check_dataset, check_model
 from .common import image_ref
 

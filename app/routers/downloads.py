@@ -18,7 +18,8 @@ from typing import Any
 from fastapi import HTTPException
 from fastapi.responses import StreamingResponse
 
-from ..settings import Settings
+from collage.app.core.settings import Settings
+
 from ..state import export_slots as export_slots  # the app's slots (made on first use): the tests hold them
 
 RETRY_AFTER_SECONDS = 10

@@ -21,13 +21,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from sqlalchemy.engine import Engine
 
+from collage.app.core.status import ENDED, JobKind, RunStatus
+from collage.app.store.tables import ApiToken, Job
 from collage.training.objectstore import ensure_local_folder
 
 from ..auth import FORBIDDEN, UNAUTHORIZED, is_admin, owns, require_token
 from ..deps import CurrentUser, DispatcherDep, EngineDep, ExportSlotsDep, SessionDep, SettingsDep
-from ..models import ApiToken, Job
 from ..schemas import ErrorOut, ExportCreated, ExportOut, ExportRequest, ValidationErrorOut
-from ..status import ENDED, JobKind, RunStatus
 from ..store import checkpoints as checkpoint_store
 from ..store import exports as store
 from ..store import jobs

@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from sqlalchemy.engine import Engine
 
+from collage.app.core.settings import Settings
 from collage.training.diskspace import existing_ancestor, space
 
 from ..deps import DispatcherDep, EngineDep, MaybeUser, SettingsDep
 from ..schemas import HealthOut
-from ..settings import Settings
 from ..store.faults import sqlite_path
 from ..store.health import store_health
 

@@ -10,13 +10,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from sqlmodel import Session
 
+from collage.app.core.settings import Settings
+from collage.app.store.tables import Image
 from collage.training.objectstore import ObjectMirror
 
 from ..auth import UNAUTHORIZED, require_token
 from ..bucket import bucket_call, request_mirror
 from ..deps import SessionDep, SettingsDep
-from ..models import Image
-from ..settings import Settings
 from ..store.images import local_image, relative_path, thumbnail
 
 router = APIRouter(tags=["images"], dependencies=[Depends(require_token)], responses=UNAUTHORIZED)

@@ -8,15 +8,15 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException
 
+from collage.app.core.settings import Settings
+from collage.app.core.status import RunStatus
+from collage.app.store.tables import ApiToken, Run
 from collage.training.config import RunConfig
 
 from ..dataset_helper import DatasetGate
 from ..dataset_probe import probe_errors
 from ..deps import DatasetGateDep, DispatcherDep, SettingsDep, WriterDep
 from ..dispatch import Dispatcher
-from ..models import ApiToken, Run
-from ..settings import Settings
-from ..status import RunStatus
 from ..store.writer import StoreWriter
 from ..validation import semantic_errors
 

@@ -18,16 +18,18 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 from starlette.datastructures import UploadFile
 
+from collage.app.core.settings import Settings
+from collage.app.core.status import JobKind, RunStatus
+from collage.app.store.jobs import model_summary
+from collage.app.store.tables import ApiToken, Job
 from collage.training.images import ImageRefused
 
 from ..auth import UNAUTHORIZED, Responses, is_admin, owns, require_token
 from ..deps import CurrentUser, DispatcherDep, EngineDep, SessionDep, SettingsDep
-from ..models import ApiToken, Job
 from ..playground import (
     Refused,
     ResolvedModel,
     clean_upload,
-    model_summary,
     prompt_conversation,
     request_tool_calls,
     request_tools,
@@ -45,8 +47,6 @@ from ..schemas import (
     UploadsOut,
     ValidationErrorOut,
 )
-from ..settings import Settings
-from ..status import JobKind, RunStatus
 from ..store import jobs
 from ..store.image_index import image_sizes, known_images
 from ..store.uploads import UploadLimits, UploadRefused, list_uploads, store_upload, used_bytes

@@ -20,11 +20,13 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from collage.app.core.settings import Settings
+from collage.app.core.status import RunStatus
+from collage.app.store.tables import ENDED, ApiToken, Run
 from collage.training.config import ConfigError, RunConfig, apply_overrides, parse_config
 
 from ..auth import FORBIDDEN, UNAUTHORIZED, Responses, check_may_change, is_admin, require_token, still_authorised
 from ..deps import CurrentUser, CursorKeyDep, DispatcherDep, EngineDep, SessionDep, SettingsDep, WriterDep
-from ..models import ENDED, ApiToken, Run
 from ..schemas import (
     CloneRequest,
     ErrorOut,
@@ -36,8 +38,6 @@ from ..schemas import (
     RunPage,
     ValidationErrorOut,
 )
-from ..settings import Settings
-from ..status import RunStatus
 from ..store import queries
 from ..store import runs as store
 from ..store.faults import STORE_FAULTS

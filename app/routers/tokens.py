@@ -9,9 +9,10 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
+from collage.app.store.tables import ApiToken
+
 from ..auth import FORBIDDEN, UNAUTHORIZED, require_admin
 from ..deps import AdminUser, EngineDep, SessionDep
-from ..models import ApiToken
 from ..store.tokens import (
     LINK_LIFETIME,
     TokenError,

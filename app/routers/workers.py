@@ -8,13 +8,13 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from sqlalchemy.engine import Engine
 
+from collage.app.core.settings import Settings
+from collage.app.store.tables import utcnow
 from collage.app.store.workers import live_workers
 
 from ..auth import UNAUTHORIZED, require_token
 from ..deps import EngineDep, SessionDep, SettingsDep
-from ..models import utcnow
 from ..schemas import GpuInfo, WorkerOut, WorkerRun, WorkersOut
-from ..settings import Settings
 from ..store.runs import run_labels
 from .common import run_url
 

@@ -24,13 +24,12 @@ from typing import Any, Literal
 from sqlalchemy import select
 from sqlmodel import Session, col
 
+from collage.app.core.trust import confined
+from collage.app.store.errors import StoreError
+from collage.app.store.tables import Checkpoint, Run
 from collage.training.config import TrainSettings
 from collage.training.objectstore import ObjectMirror, ensure_local_folder
 from collage.training.retention import best_checkpoint
-
-from ..errors import WebError
-from ..models import Checkpoint, Run
-from ..trust import confined
 
 BEST, LAST = "best", "last"
 StepChoice = int | Literal["best", "last"]
@@ -42,7 +41,7 @@ RUNS_FOLDER = "runs"  # artifacts/runs/<run id>/attempt-<n>/checkpoints/step-<N>
 INFO_FILE = "checkpoint.json"  # training/checkpoint.py's INFO_FILE, read here without importing torch
 
 
-class CheckpointProblem(WebError, LookupError):
+class CheckpointProblem(StoreError, LookupError):
     """Why no checkpoint can be given; ``status`` is the HTTP answer (404 no such step, 409 nothing to pick)."""
 
     status = 409

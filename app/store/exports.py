@@ -14,9 +14,10 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from ..db import session_scope
-from ..models import ApiToken, Job, utcnow
-from ..status import ENDED, JobKind
+from collage.app.core.status import ENDED, JobKind
+from collage.app.store.engine import session_scope
+from collage.app.store.tables import ApiToken, Job, utcnow
+
 from . import jobs
 
 EXPORTS_FOLDER = "exports"

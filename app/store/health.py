@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from ..db import DatabaseNotMigrated, check_migrated
+from collage.app.store.engine import DatabaseNotMigrated, check_migrated
 
 
 def store_health(engine: Engine) -> dict[str, Any]:

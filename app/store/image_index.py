@@ -11,8 +11,9 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from ..db import session_scope
-from ..models import Image, table_of, utcnow
+from collage.app.store.engine import session_scope
+from collage.app.store.tables import Image, table_of, utcnow
+
 from .sql import dialect_insert
 
 

@@ -23,9 +23,10 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from ..db import session_scope
-from ..models import ApiToken, Job, utcnow
-from ..status import ACTIVE, ENDED, JobKind, RunStatus
+from collage.app.core.status import ACTIVE, ENDED, JobKind, RunStatus
+from collage.app.store.engine import session_scope
+from collage.app.store.tables import ApiToken, Job, utcnow
+
 from .sql import changed_rows
 
 JOBS_SUFFIX = ".jobs"
@@ -247,3 +248,15 @@ def reap_jobs(engine: Engine, timeout: float) -> list[str]:
 
 def ended(job: Job) -> bool:
     return job.status in ENDED
+
+
+def model_summary(model: dict[str, Any]) -> dict[str, Any]:
+    """How a resolved model (a job request's ``models`` entry) is shown: no server path but a base model's own."""
+    return {
+        "label": model["label"],
+        "kind": model["kind"],
+        "path": model["path"] if model["kind"] == "base" else None,
+        "run": model.get("run"),
+        "run_name": model.get("run_name"),
+        "step": model.get("step"),
+    }

@@ -27,9 +27,11 @@ from sqlalchemy import exists, insert, not_, select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from ..db import session_scope
-from ..models import Event, Run, RunNode, Worker, table_of, utcnow
-from ..status import ACTIVE, RunStatus
+from collage.app.core.status import ACTIVE, RunStatus
+from collage.app.store.engine import session_scope
+from collage.app.store.tables import Event, Run, RunNode, Worker, table_of, utcnow
+
+from .errors import StoreError
 from .sql import changed_rows
 
 
@@ -47,7 +49,7 @@ class Node:
     endpoint: str  # host:port of the rendezvous
 
 
-class GangNotReady(Exception):
+class GangNotReady(StoreError):
     """Fewer live idle workers than the run needs (or one was taken meanwhile): the claim rolled back."""
 
 

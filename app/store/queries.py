@@ -21,15 +21,16 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.sql import ColumnElement, Select
 from sqlmodel import Session, col
 
-from ..errors import WebError
-from ..models import Event, Metric, Run, RunTag, Sample, SampleImage, table_of
+from collage.app.store.errors import StoreError
+from collage.app.store.tables import Event, Metric, Run, RunTag, Sample, SampleImage, table_of
+
 from .rollups import Series, as_points, downsample_series, plain_rows
 
 PAGE_MAX = 500
 INT64 = 2**63  # ids and integer sort values of a cursor lie in the store's 64-bit range
 
 
-class BadCursor(WebError, ValueError):
+class BadCursor(StoreError, ValueError):
     pass
 
 

@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlmodel import Session, col
 
-from ..models import Event, Run
-from ..status import RunStatus
+from collage.app.core.status import RunStatus
+from collage.app.store.tables import Event, Run
 
 RESUME_EVENT = "resume requested"  # the event the API writes when it puts an ended run back in the queue
 

@@ -15,9 +15,8 @@ from sqlalchemy import Executable, LargeBinary, and_, case, delete, func, litera
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col
 
-from collage.app.models import table_of
+from collage.app.store.tables import Metric, MetricRollup, table_of
 
-from ..models import Metric, MetricRollup
 from .sql import dialect_insert
 
 WIDTHS = (16, 256)

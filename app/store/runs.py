@@ -16,8 +16,9 @@ from sqlalchemy import delete, select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from ..models import ApiToken, Event, Metric, Run, RunTag, utcnow
-from ..status import RunStatus
+from collage.app.core.status import RunStatus
+from collage.app.store.tables import ApiToken, Event, Metric, Run, RunTag, utcnow
+
 from .queueing import queue_of, queued_runs
 from .text import TRACEBACK_LEVEL, has_traceback
 from .tokens import audit

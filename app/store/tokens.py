@@ -26,9 +26,10 @@ from sqlalchemy import delete, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from ..db import engine_for, session_scope
-from ..errors import WebError
-from ..models import ApiToken, AuditEntry, InstallationSecret, LoginLink, WebSession, table_of, utcnow
+from collage.app.store.engine import engine_for, session_scope
+from collage.app.store.errors import StoreError
+from collage.app.store.tables import ApiToken, AuditEntry, InstallationSecret, LoginLink, WebSession, table_of, utcnow
+
 from .sql import changed_rows, dialect_insert
 
 log = logging.getLogger("collage.auth")
@@ -45,7 +46,7 @@ class TokenRole(str, Enum):
         return self.value
 
 
-class TokenError(WebError):
+class TokenError(StoreError):
     pass
 
 

@@ -29,19 +29,19 @@ from sqlalchemy import delete, func, select, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
+from collage.app.store.engine import session_scope
+from collage.app.store.errors import StoreError
+from collage.app.store.tables import Image, Upload, table_of, utcnow
 from collage.training.diskspace import human, space_or_none
 from collage.training.objectstore import ObjectMirror, StorageError
 
-from ..db import session_scope
-from ..errors import WebError
-from ..models import Image, Upload, table_of, utcnow
 from .images import relative_path
 from .sql import dialect_insert
 
 UPLOADS_LOCK = 0x636F6C6C  # the advisory lock (PostgreSQL) that orders the uploads' accounting: "coll"
 
 
-class UploadRefused(WebError):
+class UploadRefused(StoreError):
     """The upload cannot be kept; nothing of it was stored. ``status``: the HTTP status that says why."""
 
     status = 400

@@ -11,8 +11,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from ..db import session_scope
-from ..models import Worker, utcnow
+from collage.app.store.engine import session_scope
+from collage.app.store.tables import Worker, utcnow
 
 
 def live_workers(engine: Engine, within: float) -> list[dict[str, Any]]:

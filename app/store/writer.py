@@ -20,13 +20,9 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from collage.app.models import table_of
-from collage.training.callbacks import scalar_columns
-from collage.training.objectstore import ObjectMirror
-
-from ..db import session_scope
-from ..errors import WebError
-from ..models import (
+from collage.app.store.engine import session_scope
+from collage.app.store.errors import StoreError
+from collage.app.store.tables import (
     ENDED,
     ApiToken,
     Checkpoint,
@@ -40,8 +36,12 @@ from ..models import (
     Sample,
     SampleImage,
     SampleToolImage,
+    table_of,
     utcnow,
 )  # fmt: skip
+from collage.training.callbacks import scalar_columns
+from collage.training.objectstore import ObjectMirror
+
 from . import rollups
 from .faults import is_disk_full, retryable, store_disk_full
 from .images import image_info, write_image
@@ -281,7 +281,7 @@ def _insert_samples(
         session.execute(insert(table_of(SampleToolImage)), tool_links)
 
 
-class StaleAttempt(WebError):
+class StaleAttempt(StoreError):
     """A training process's attempt is no longer the run's current one (the run was reaped, resumed or
     deleted meanwhile): it must stop writing and exit."""
 

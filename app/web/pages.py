@@ -12,9 +12,10 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from collage.app.store.tables import ApiToken, Run
+
 from ..auth import may_change
 from ..deps import EngineDep, SessionDep, SettingsDep
-from ..models import ApiToken, Run
 from ..store.tokens import consume_login_link, verify_token
 from .fields import FormField, form_fields, gpus_default, tool_form
 from .session import CSRF_FIELD, csrf_ok, csrf_token, current_session, end_session, finish_page, start_session

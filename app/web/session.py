@@ -24,8 +24,9 @@ from sqlalchemy import delete
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
-from ..db import session_scope
-from ..models import ApiToken, WebSession, utcnow
+from collage.app.store.engine import session_scope
+from collage.app.store.tables import ApiToken, WebSession, utcnow
+
 from ..state import engine_of
 from ..store.tokens import _aware, hash_secret, usable
 

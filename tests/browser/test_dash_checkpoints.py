@@ -36,8 +36,8 @@ def test_the_checkpoints_panel_lists_downloads_and_exports(server, page, tmp_pat
     # the best checkpoint by reward (the values a worker records with each checkpoint)
     from sqlalchemy import update
 
-    from collage.app.db import engine_for
-    from collage.app.models import Checkpoint
+    from collage.app.store.engine import engine_for
+    from collage.app.store.tables import Checkpoint
 
     engine = engine_for(f"sqlite:///{server['home'] / 'collage.db'}")
     try:

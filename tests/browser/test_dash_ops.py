@@ -24,8 +24,8 @@ def _finished_run(server, name: str, seconds: float) -> str:
 
     from sqlalchemy import update
 
-    from collage.app.db import engine_for
-    from collage.app.models import Run, utcnow
+    from collage.app.store.engine import engine_for
+    from collage.app.store.tables import Run, utcnow
     from collage.app.store.writer import StoreWriter
     from collage.training.config import parse_config
 

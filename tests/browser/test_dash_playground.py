@@ -52,8 +52,8 @@ def trained(server):
 
 
 def _job(server, job_id: str):
-    from collage.app.db import engine_for
-    from collage.app.models import Job
+    from collage.app.store.engine import engine_for
+    from collage.app.store.tables import Job
 
     engine = engine_for(f"sqlite:///{server['home'] / 'collage.db'}")
     try:

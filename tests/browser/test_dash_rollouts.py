@@ -24,7 +24,7 @@ def _png(colour, size=(20, 20)) -> bytes:
 def seeded(server):
     """A finished run written straight into the server's store: 2 steps x 2 groups x 4 completions with known
     rewards per function, 3 images per row of group 0, and dataset columns."""
-    from collage.app.db import make_engine
+    from collage.app.store.engine import make_engine
     from collage.app.store.writer import StoreWriter
     from collage.training.config import parse_config
 

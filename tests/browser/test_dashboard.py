@@ -142,7 +142,7 @@ def test_a_bad_value_shows_the_field_error_and_creates_no_run(page, server):
 
 
 def test_model_output_is_escaped_everywhere(page, server):
-    from collage.app.db import make_engine
+    from collage.app.store.engine import make_engine
     from collage.app.store.writer import ImageIn, SampleIn, StoreWriter
     from collage.training.config import parse_config
 

@@ -28,7 +28,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlmodel import Session
 
-from collage.app.models import Checkpoint, Event, Image, Metric, Sample
+from collage.app.store.tables import Checkpoint, Event, Image, Metric, Sample
 from tests.support import API, ROOT
 from tests.support.cluster import HEARTBEAT, HEARTBEAT_TIMEOUT, run_config
 from tests.support.s3 import BUCKET, CREDENTIALS, WeedServer
@@ -150,7 +150,7 @@ def deployment(tmp_path_factory, migrated_postgres_url):
 
 
 def _engine(deployment: Deployment):
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     return engine_for(deployment.shared["COLLAGE_DATABASE_URL"])
 
@@ -173,7 +173,7 @@ def _bucket(deployment: Deployment):
 
 def _every_artifact_is_in_the_bucket(deployment: Deployment, run_id: str) -> None:
     """Every image of the run's rollout rows, and every checkpoint the store records (with its manifest)."""
-    from collage.app.models import SampleImage
+    from collage.app.store.tables import SampleImage
 
     bucket = _bucket(deployment)
     with Session(_engine(deployment)) as session:
@@ -290,7 +290,7 @@ def test_the_s3_server_down_mid_run_loses_nothing(deployment):
 
 
 def _hosts(deployment: Deployment, run_id: str, attempt: int) -> list[str]:
-    from collage.app.models import RunNode
+    from collage.app.store.tables import RunNode
 
     with Session(_engine(deployment)) as session:
         return list(session.scalars(select(RunNode.worker).where(RunNode.run_id == run_id, RunNode.attempt == attempt)

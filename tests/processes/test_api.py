@@ -52,7 +52,7 @@ def test_db_upgrade_and_token_create_cli(tmp_path):
 
     early = run("token", "create", "me")
     assert early.returncode == 2 and "collage db upgrade" in early.stderr
-    from collage.app.db import head_revision
+    from collage.app.store.engine import head_revision
 
     up = run("db", "upgrade")
     assert up.returncode == 0 and f"is at migration {head_revision()}" in up.stdout

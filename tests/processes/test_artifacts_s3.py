@@ -24,9 +24,9 @@ from tests.support.waiting import scaled
 def s3(database_url, tmp_path, monkeypatch):
     """``(client, web_settings, worker_writer, app)``: the web app caches the bucket under ``web-cache``, the worker's
     writer under ``worker-cache``."""
-    from collage.app.db import engine_for
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for
     from collage.app.store.tokens import create_token
     from collage.app.store.writer import StoreWriter
 
@@ -278,7 +278,7 @@ def test_an_upload_the_bucket_cannot_take_is_503_and_not_kept(s3):
     the charge back, leaves no row and no local file, and the token's quota is as it was."""
     from sqlmodel import Session, select
 
-    from collage.app.models import Image, Upload
+    from collage.app.store.tables import Image, Upload
     from tests.support.services import free_port
 
     client, web, _, app = s3
@@ -303,7 +303,7 @@ def _damage(path: Path) -> None:
 def resumed(s3, database_url, tmp_path, monkeypatch):
     """``(client, web, run, make_attempt)``: a run whose attempt 1 published checkpoints 3, 6 and 9 to the bucket from
     the worker host, now resumed as attempt 2 on a host of its own (its own home and cache of the bucket)."""
-    from collage.app.settings import get_settings
+    from collage.app.core.settings import get_settings
     from collage.worker.child import Attempt
 
     client, web, worker, _ = s3

@@ -20,7 +20,7 @@ from tests.support.waiting import scaled
 @pytest.fixture
 def store(tmp_path):
     """A migrated SQLite store with a LoRA run whose checkpoints a worker wrote, and an empty run."""
-    from collage.app.db import engine_for, upgrade
+    from collage.app.store.engine import engine_for, upgrade
     from collage.app.store.writer import StoreWriter
     from collage.training.config import parse_config
 
@@ -110,7 +110,7 @@ def test_export_on_a_machine_that_only_reaches_the_bucket(tmp_path, monkeypatch)
     machine (an empty cache of its own) downloads it from the bucket, checked against its manifest, and exports."""
     import json
 
-    from collage.app.db import engine_for, upgrade
+    from collage.app.store.engine import engine_for, upgrade
     from collage.app.store.writer import StoreWriter
     from collage.training.config import parse_config
     from collage.training.objectstore import ObjectMirror

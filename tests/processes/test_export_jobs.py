@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from collage.app.status import RunStatus
+from collage.app.core.status import RunStatus
 from tests.support import API
 from tests.support.checkpoints import (
     checkpoint_model,

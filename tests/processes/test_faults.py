@@ -61,9 +61,9 @@ def fill(folder: Path, leave: int = 0) -> Path:
 def test_health_reports_a_disk_low_on_space_before_it_fills(small_fs, tmp_path):
     from fastapi.testclient import TestClient
 
-    from collage.app.db import engine_for, upgrade
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for, upgrade
     from collage.app.store.tokens import create_token
     from tests.support.api import RecordingDispatcher
 
@@ -122,8 +122,8 @@ def test_a_store_on_a_full_disk_fails_the_run_naming_it(small_fs, tmp_path):
     filled: the store's path and the space left, never "no heartbeat" or a silent `running`."""
     from sqlmodel import Session
 
-    from collage.app.db import upgrade
-    from collage.app.models import Run
+    from collage.app.store.engine import upgrade
+    from collage.app.store.tables import Run
     from tests.support.cluster import Cluster
 
     store = small_fs("24m")

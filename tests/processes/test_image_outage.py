@@ -24,9 +24,9 @@ from tests.support.waiting import scaled, wait_for
 def frozen_bucket(database_url, tmp_path, monkeypatch):
     """``(client, weed, sha, run)``: an image in the bucket of a server of the test's own, not in the web node's
     cache; the server is frozen by the test and thawed and killed after it."""
-    from collage.app.db import engine_for
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for
     from collage.app.store.tokens import create_token
     from collage.app.store.writer import ImageIn, SampleIn, StoreWriter
 

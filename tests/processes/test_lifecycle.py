@@ -10,7 +10,7 @@ import os
 import pytest
 from sqlmodel import Session
 
-from collage.app.models import Run
+from collage.app.store.tables import Run
 from collage.app.store.writer import StoreWriter
 from tests.support.api import config
 from tests.support.waiting import scaled
@@ -18,7 +18,7 @@ from tests.support.waiting import scaled
 
 @pytest.fixture
 def writer(database_url, tmp_path):
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     return StoreWriter(engine_for(database_url), tmp_path / "artifacts")
 

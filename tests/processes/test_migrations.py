@@ -17,11 +17,16 @@ def test_replicas_starting_at_once_migrate_once_and_both_start(empty_url):
     import sys
     from pathlib import Path
 
-    from collage.app.db import current_revision, head_revision, make_engine
+    from collage.app.store.engine import current_revision, head_revision, make_engine
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "COLLAGE_DATABASE_URL": empty_url, "PYTHONPATH": str(root)}
-    cmd = [sys.executable, "-c", "import sys; from collage.app.db import upgrade; upgrade(sys.argv[1])", empty_url]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from collage.app.store.engine import upgrade; upgrade(sys.argv[1])",
+        empty_url,
+    ]
     procs = [subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     errors = [p.communicate(timeout=scaled(120))[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], errors

@@ -68,9 +68,9 @@ def checkpoints(tmp_path_factory, tiny_model_dir):
 @pytest.fixture
 def play(migrated_sqlite_url, tmp_path):
     """The API (to queue generations) and the worker's settings; generations run by :func:`run`."""
-    from collage.app.db import engine_for
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for
     from collage.app.store.tokens import create_token
     from tests.support.services import truncate
 

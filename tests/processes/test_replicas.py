@@ -118,7 +118,7 @@ def cluster(postgres_url, tmp_path_factory) -> Iterator[dict]:
     require_service(_redis_missing())
     s3 = s3_environment(shared_endpoint())
     env = _environment(postgres_url, s3)
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
     from collage.app.store.tokens import create_token
 
     # no deploy step first: the replicas start at once on an empty store, and migrate it once between them (an
@@ -317,7 +317,7 @@ class Stream(threading.Thread):
 
 
 def test_the_run_stream_is_the_same_on_each_replica_and_a_logout_on_one_ends_a_session_on_all(cluster):
-    from collage.app.status import RunStatus
+    from collage.app.core.status import RunStatus
 
     a, b, token = cluster["A"], cluster["B"], cluster["token"]
     with a.api(token) as on_a:

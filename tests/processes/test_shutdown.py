@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import select
 from sqlmodel import Session
 
-from collage.app.models import Checkpoint
+from collage.app.store.tables import Checkpoint
 from tests.support import API
 from tests.support.cluster import alive, children_of
 from tests.support.serve import Serve

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 from sqlmodel import Session
 
-from collage.app.models import ApiToken, utcnow
+from collage.app.store.tables import ApiToken, utcnow
 from collage.app.store.tokens import create_token
 from tests.support import API
 from tests.support.api import config, filled_run, make_app
@@ -90,7 +90,7 @@ def test_another_engine_on_an_open_sqlite_store_leaves_its_locks_alone(tmp_path)
     close the database file: that drops every POSIX lock the process holds on it, so another process that closes
     its connection takes the store for unused and removes its -wal and -shm files under the live connections
     (then: "disk I/O error", and writes to a removed WAL)."""
-    from collage.app.db import make_engine
+    from collage.app.store.engine import make_engine
 
     path = tmp_path / "store.db"
     first = make_engine(f"sqlite:///{path}")

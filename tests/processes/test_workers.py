@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlmodel import Session
 
-from collage.app.models import Checkpoint, Event, Sample
+from collage.app.store.tables import Checkpoint, Event, Sample
 from tests.support import API, ROOT
 from tests.support.cluster import HEARTBEAT, Cluster, alive, children_of, run_config
 from tests.support.serve import Serve

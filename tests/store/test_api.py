@@ -48,7 +48,7 @@ def test_every_route_but_health_needs_a_token(api):
 
 def test_tokens_are_stored_hashed(api):
     client, token, _, app = api
-    from collage.app.models import ApiToken
+    from collage.app.store.tables import ApiToken
 
     with Session(app.state.engine) as session:
         stored = session.scalars(select(ApiToken)).all()
@@ -79,7 +79,7 @@ def test_create_run_stores_it_queued_and_dispatches(api):
 
 def test_a_bad_config_lists_every_bad_field_and_writes_nothing(api):
     client, _, dispatcher, app = api
-    from collage.app.models import Run
+    from collage.app.store.tables import Run
 
     bad = config(
         algorithm="ppo",
@@ -126,7 +126,7 @@ def test_a_bad_config_lists_every_bad_field_and_writes_nothing(api):
 )
 def test_malformed_bodies_are_422_and_write_nothing(api, body, content_type, needle):
     client, _, dispatcher, app = api
-    from collage.app.models import Run
+    from collage.app.store.tables import Run
 
     response = client.post(API + "/runs", content=body, headers={"Content-Type": content_type})
     assert response.status_code == 422, response.text
@@ -136,7 +136,7 @@ def test_malformed_bodies_are_422_and_write_nothing(api, body, content_type, nee
 
 def test_oversized_bodies_are_refused(api):
     client, _, dispatcher, app = api
-    from collage.app.models import Run
+    from collage.app.store.tables import Run
 
     huge = config(name="x" * 10, tags=["t" * 100] * 20_000)
     response = client.post(API + "/runs", json=huge)
@@ -249,7 +249,7 @@ def test_metric_writes_are_idempotent(api):
     w.append_metrics(run, 1, {"reward": 0.1, "loss": 2.0})
     w.append_metrics(run, 1, {"reward": 0.3})  # a re-write of step 1 replaces, never duplicates
     w.append_metrics(run, 2, {"reward": float("nan")})
-    from collage.app.models import Metric
+    from collage.app.store.tables import Metric
 
     assert count_rows(app, Metric) == 3
     got = client.get(f"{API}/runs/{run}/metrics").json()
@@ -390,8 +390,8 @@ def test_sample_rows_carry_images_and_group_info(api):
 
 def test_each_distinct_image_is_stored_once_and_a_step_is_one_transaction(api):
     client, _, _, app = api
-    from collage.app.models import Image as ImageRow
-    from collage.app.models import Sample, SampleImage
+    from collage.app.store.tables import Image as ImageRow
+    from collage.app.store.tables import Sample, SampleImage
 
     run = client.post(API + "/runs", json=config()).json()["id"]
     pngs = [png((i, 0, 0)) for i in range(3)]
@@ -480,9 +480,9 @@ def test_health_reports_the_real_broker(database_url, tmp_path, broker_up):
     """The Celery dispatcher's own broker check: a reachable broker is ok, a closed port is 503 with the error."""
     from fastapi.testclient import TestClient
 
-    from collage.app.db import engine_for
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for
     from collage.worker.dispatcher import CeleryDispatcher
 
     with socket.socket() as s:  # a port nobody listens on
@@ -505,9 +505,9 @@ def test_health_reports_the_real_broker(database_url, tmp_path, broker_up):
 
 
 def test_the_app_refuses_an_unmigrated_database(tmp_path):
-    from collage.app.db import DatabaseNotMigrated
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import DatabaseNotMigrated
     from tests.support.api import RecordingDispatcher
 
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'new.db'}", broker_url="memory://",
@@ -533,7 +533,7 @@ def test_out_of_range_numbers_are_422_not_500(api):
 def test_text_search_is_indexed_on_postgresql(migrated_postgres_url):
     from sqlalchemy import text
 
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     with engine_for(migrated_postgres_url).connect() as conn:
         indexes = dict(
@@ -593,7 +593,7 @@ def test_downsampled_series_follow_rewrites_and_truncation(api):
 def test_migration_0004_backfills_rollups_of_existing_metrics(tmp_path):
     from sqlalchemy import text
 
-    from collage.app.db import make_engine, upgrade
+    from collage.app.store.engine import make_engine, upgrade
     from collage.app.store.rollups import downsample
 
     url = f"sqlite:///{tmp_path / 'old.db'}"

@@ -166,7 +166,7 @@ def test_eval_queries_read_the_split_index_and_train_queries_keep_their_sort_ind
     eval rows existed."""
     from sqlalchemy import insert, text
 
-    from collage.app.models import Sample, table_of
+    from collage.app.store.tables import Sample, table_of
 
     client, _, _, app = api
     engine = app.state.engine
@@ -266,7 +266,7 @@ def test_runs_carry_their_latest_and_best_eval_reward(api):
         one = client.get(f"{API}/runs/{run_id}").json()
         assert (one["eval_reward"], one["best_eval_reward"]) == values, run_id
     with Session(app.state.engine) as session:
-        from collage.app.models import Run
+        from collage.app.store.tables import Run
 
         runs = [session.get(Run, r) for r in expected]
         assert queries.eval_rewards(session, runs) == {r: v for r, v in expected.items() if r != plain}

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
 from sqlmodel import Session
 
-from collage.app.models import AuditEntry, Run
+from collage.app.store.tables import AuditEntry, Run
 from collage.app.store.tokens import create_token, revoke_token
 from tests.support import API
 from tests.support.api import config, member_and_token, png
@@ -145,8 +145,8 @@ def test_deleting_a_run_that_is_active_again_is_409_and_deletes_nothing(api):
 
 
 def test_a_trailing_newline_never_passes_a_pattern(api):
-    from collage.app.settings import Settings
-    from collage.app.trust import dataset_violation, model_violation, split_violation
+    from collage.app.core.settings import Settings
+    from collage.app.core.trust import dataset_violation, model_violation, split_violation
     from collage.training.rewards.registry import import_path_error
 
     client, _, _, app = api
@@ -263,8 +263,8 @@ def test_cookie_writes_from_another_origin_are_refused(api, database_url, tmp_pa
 
 @pytest.mark.parametrize("trusted", [True, False])
 def test_behind_a_trusted_proxy_the_origin_is_the_forwarded_scheme(database_url, tmp_path, trusted):
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
     from tests.support.api import RecordingDispatcher
 
     settings = Settings(home=tmp_path, database_url=database_url, broker_url="memory://",

@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlmodel import Session
 
-from collage.app.models import Run
 from collage.app.store.queries import encode_cursor
+from collage.app.store.tables import Run
 from collage.app.store.writer import SampleIn
 from tests.support import API
 from tests.support.api import config

@@ -8,15 +8,15 @@ import pytest
 from sqlalchemy import event
 from sqlmodel import Session, select
 
-from collage.app.models import Event, Run
+from collage.app.store.tables import Event, Run
 from tests.support.api import config
 
 
 def _claimed(url, tmp_path, monkeypatch):
     """A run claimed as running (attempt 1) and the training process's view of it, on an engine of its own whose
     connections the test may refuse."""
-    from collage.app.db import engine_for, make_engine
-    from collage.app.settings import get_settings
+    from collage.app.core.settings import get_settings
+    from collage.app.store.engine import engine_for, make_engine
     from collage.app.store.writer import StoreWriter
     from collage.worker.child import Attempt
     from tests.support.services import truncate
@@ -66,7 +66,7 @@ class Refusals:
 
 
 def _stored(attempt) -> tuple[Run, list[str]]:
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     with Session(engine_for(attempt.settings.database_url)) as session:
         run = session.get(Run, attempt.run_id)

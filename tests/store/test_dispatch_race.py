@@ -12,7 +12,7 @@ import sqlite3
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
 
-from collage.app.settings import Settings
+from collage.app.core.settings import Settings
 from collage.worker.dispatcher import CeleryDispatcher
 
 

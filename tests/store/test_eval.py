@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from collage.app.settings import Settings
-from collage.app.trust import config_violations
+from collage.app.core.settings import Settings
+from collage.app.core.trust import config_violations
 from collage.training.config import parse_config
 
 

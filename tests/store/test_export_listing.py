@@ -10,9 +10,9 @@ from datetime import timedelta
 from sqlalchemy import update
 from sqlmodel import Session
 
-from collage.app.models import ApiToken, Job, utcnow
-from collage.app.status import JobKind, RunStatus
+from collage.app.core.status import JobKind, RunStatus
 from collage.app.store import jobs
+from collage.app.store.tables import ApiToken, Job, utcnow
 from collage.app.store.tokens import create_token, verify_token
 from tests.support import API
 from tests.support.api import config, member_and_token

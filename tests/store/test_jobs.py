@@ -10,15 +10,15 @@ import pytest
 from sqlalchemy import update
 from sqlmodel import Session
 
-from collage.app.models import Job, utcnow
-from collage.app.status import JobKind, RunStatus
+from collage.app.core.status import JobKind, RunStatus
 from collage.app.store import jobs
+from collage.app.store.tables import Job, utcnow
 from tests.support.waiting import scaled
 
 
 @pytest.fixture
 def engine(database_url):
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     return engine_for(database_url)
 
@@ -77,7 +77,7 @@ def test_a_job_whose_worker_died_is_reaped_and_one_that_beats_is_not(engine):
 def test_a_handlers_outcome_ends_the_job(engine, monkeypatch, tmp_path):
     """run_job: a result succeeds, JobFailed is the user's message, anything else fails with its type and message
     (never a traceback), and a cancel seen by the handler ends it cancelled."""
-    from collage.app.settings import Settings
+    from collage.app.core.settings import Settings
     from collage.worker import jobs as worker_jobs
 
     settings = Settings(home=tmp_path, database_url=str(engine.url.render_as_string(hide_password=False)),

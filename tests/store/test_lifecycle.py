@@ -10,14 +10,14 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlmodel import Session
 
-from collage.app.models import Checkpoint, Event, Metric, Run
+from collage.app.store.tables import Checkpoint, Event, Metric, Run
 from collage.app.store.writer import StaleAttempt, StoreWriter
 from tests.support.api import config
 
 
 @pytest.fixture
 def writer(database_url, tmp_path):
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     return StoreWriter(engine_for(database_url), tmp_path / "artifacts")
 
@@ -140,7 +140,7 @@ def test_concurrent_resumes_make_one_new_attempt(api):
 
 def test_a_write_is_retried_when_the_connection_drops_mid_transaction(migrated_postgres_url, tmp_path):
     """PostgreSQL kills the writer's connection inside its transaction: the writer retries on a new one."""
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
     from tests.support.services import truncate
 
     truncate(migrated_postgres_url)

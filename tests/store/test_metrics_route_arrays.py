@@ -12,8 +12,8 @@ import random
 from sqlalchemy import insert
 from sqlmodel import Session
 
-from collage.app.models import Metric
 from collage.app.store import rollups
+from collage.app.store.tables import Metric
 from tests.support import API
 from tests.support.api import config
 

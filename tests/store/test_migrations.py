@@ -13,8 +13,8 @@ def test_the_migrated_schema_is_the_models_schema(empty_url):
     from alembic.migration import MigrationContext
     from sqlmodel import SQLModel
 
-    import collage.app.models  # noqa: F401 - registers the tables
-    from collage.app.db import make_engine, upgrade
+    import collage.app.store.tables  # noqa: F401 - registers the tables
+    from collage.app.store.engine import make_engine, upgrade
 
     upgrade(empty_url)
     engine = make_engine(empty_url)
@@ -27,7 +27,7 @@ def test_the_migrated_schema_is_the_models_schema(empty_url):
 
 
 def test_0007_keeps_old_rows_as_training_rows_and_lets_eval_rows_sit_beside_them(empty_url):
-    from collage.app.db import downgrade, make_engine, upgrade
+    from collage.app.store.engine import downgrade, make_engine, upgrade
 
     upgrade(empty_url, "0006")
     engine = make_engine(empty_url)
@@ -64,7 +64,7 @@ def test_0007_keeps_old_rows_as_training_rows_and_lets_eval_rows_sit_beside_them
 def test_0009_moves_the_text_search_indexes_under_the_run_id_and_back(empty_url):
     """0009 replaces 0003's table-wide trigram indexes with ones led by the run id (a search names its run) and
     its downgrade brings the old ones back; a search's run and text conditions both reach the new indexes."""
-    from collage.app.db import downgrade, make_engine, upgrade
+    from collage.app.store.engine import downgrade, make_engine, upgrade
 
     def trigram_indexes(conn) -> dict[str, str]:
         rows = conn.execute(text("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'samples'")).all()
@@ -105,7 +105,7 @@ def test_0009_moves_the_text_search_indexes_under_the_run_id_and_back(empty_url)
 
 
 def test_0012_gives_old_rows_no_trajectory_and_zero_counts_and_goes_back(empty_url):
-    from collage.app.db import downgrade, make_engine, upgrade
+    from collage.app.store.engine import downgrade, make_engine, upgrade
 
     upgrade(empty_url, "0011")
     engine = make_engine(empty_url)

@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import select, update
 from sqlmodel import Session, col
 
-from collage.app.models import Event, Run, RunNode, Worker, utcnow
 from collage.app.store import nodes
+from collage.app.store.tables import Event, Run, RunNode, Worker, utcnow
 from collage.app.store.writer import StoreWriter
 from collage.worker.supervisor import Gang, claim
 from tests.support.api import config
@@ -20,7 +20,7 @@ from tests.support.api import config
 
 @pytest.fixture
 def writer(database_url, tmp_path):
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     return StoreWriter(engine_for(database_url), tmp_path / "artifacts")
 

@@ -17,7 +17,7 @@ from PIL import Image, PngImagePlugin
 from sqlalchemy import select
 from sqlmodel import Session
 
-from collage.app.models import Job, Upload
+from collage.app.store.tables import Job, Upload
 from tests.support import API
 from tests.support.api import RecordingDispatcher, config, count_rows
 from tests.support.live_server import at_once, serving
@@ -29,9 +29,9 @@ PIXELS = 1_000_000  # the pixel bound of these tests' app
 @pytest.fixture
 def play(database_url, tmp_path):
     """``(client, app, dispatcher)``: the app with small upload bounds, an admin client; models under tmp/models."""
-    from collage.app.db import engine_for
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for
     from collage.app.store.tokens import create_token
 
     settings = Settings(home=tmp_path, database_url=database_url, broker_url="memory://",

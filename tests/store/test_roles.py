@@ -83,8 +83,8 @@ def test_an_expired_token_is_refused(api):
 
     from sqlalchemy import update
 
-    from collage.app.db import session_scope
-    from collage.app.models import ApiToken, utcnow
+    from collage.app.store.engine import session_scope
+    from collage.app.store.tables import ApiToken, utcnow
 
     _, _, _, app = api
     eve = _member(app, "eve", expires_days=1)
@@ -124,8 +124,8 @@ def test_a_link_expires_after_ten_minutes(api):
 
     from sqlalchemy import update
 
-    from collage.app.db import session_scope
-    from collage.app.models import LoginLink, utcnow
+    from collage.app.store.engine import session_scope
+    from collage.app.store.tables import LoginLink, utcnow
     from collage.app.store.tokens import create_login_link
 
     _, _, _, app = api
@@ -184,8 +184,8 @@ def test_cookies_are_secure_over_https_and_headers_harden_every_response(api, sc
 
 
 def test_a_trusted_proxy_makes_cookies_secure(database_url, tmp_path):
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
     from collage.app.store.tokens import create_token
     from tests.support.api import RecordingDispatcher
 

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, select
 from sqlmodel import Session
 
-from collage.app.models import ApiToken, Event, Run, utcnow
+from collage.app.store.tables import ApiToken, Event, Run, utcnow
 from collage.app.store.tokens import create_token, note_use
 from collage.app.store.writer import ImageIn, SampleIn
 from tests.support import API
@@ -32,7 +32,7 @@ def test_last_used_is_noted_off_the_request_at_most_once_a_minute(database_url, 
         if statement.lstrip().upper().startswith("UPDATE API_TOKENS"):
             writes.append(statement)
 
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
     from collage.app.store.tokens import USE_LOCK_TIMEOUT
 
     quick = engine_for(str(app.state.engine.url.render_as_string(hide_password=False)), USE_LOCK_TIMEOUT)

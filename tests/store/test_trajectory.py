@@ -80,8 +80,8 @@ def _items(client, run, **params):
 
 def test_a_trajectory_with_two_crops_is_stored_and_served_with_its_images_and_boxes(api):
     client, _, _, app = api
-    from collage.app.models import Image as ImageRow
-    from collage.app.models import SampleToolImage
+    from collage.app.store.tables import Image as ImageRow
+    from collage.app.store.tables import SampleToolImage
 
     run = client.post(API + "/runs", json=config()).json()["id"]
     rows, pngs = _rows()

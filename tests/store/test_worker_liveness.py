@@ -10,7 +10,7 @@ import httpx
 from sqlalchemy import update
 from sqlmodel import Session
 
-from collage.app.models import Worker
+from collage.app.store.tables import Worker
 from collage.app.store.workers import live_workers
 from tests.support import API
 from tests.support.api import config
@@ -79,9 +79,9 @@ class _RegistryDispatcher:
 def test_health_reports_each_workers_disks_flagged_low_below_the_minimum(database_url, tmp_path):
     from fastapi.testclient import TestClient
 
-    from collage.app.db import engine_for
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import engine_for
     from collage.app.store.tokens import create_token
     from collage.training.diskspace import space
     from collage.worker.registry import Registration

@@ -99,8 +99,8 @@ def session_client(app, token: str | None = None, code: str | None = None, base=
 
 def make_app(database_url: str, tmp_path: Path, **settings):
     """The app on ``database_url`` with the dispatcher test double; ``settings`` over the defaults."""
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
 
     values = {
         "home": tmp_path,

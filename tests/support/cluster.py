@@ -13,7 +13,7 @@ from pathlib import Path
 from sqlalchemy import func, select
 from sqlmodel import Session
 
-from collage.app.models import Event, Metric
+from collage.app.store.tables import Event, Metric
 
 from . import API, ROOT
 from .waiting import scaled, wait_for
@@ -32,9 +32,9 @@ class Cluster:
     def __init__(self, database_url: str, broker_url: str, home: Path, artifacts: Path):
         from fastapi.testclient import TestClient
 
-        from collage.app.db import engine_for
+        from collage.app.core.settings import Settings
         from collage.app.main import create_app
-        from collage.app.settings import Settings
+        from collage.app.store.engine import engine_for
         from collage.app.store.tokens import create_token
         from collage.worker.dispatcher import CeleryDispatcher
 
@@ -143,7 +143,7 @@ def run_config(max_steps: int = 4, delay: float = 0.0, rewards: list | None = No
 
 def embedded_cluster(tmp_path: Path, artifacts: Path | None = None) -> Cluster:
     """A Cluster on the embedded defaults: SQLite store and broker files, artifacts, all in one COLLAGE_HOME."""
-    from collage.app.db import upgrade
+    from collage.app.store.engine import upgrade
 
     home = tmp_path / "home"
     home.mkdir()

@@ -19,9 +19,9 @@ COLUMNS = "100"  # argparse wraps help at the terminal's width: one width for ev
 
 
 def openapi_document() -> str:
-    from collage.app.db import upgrade
+    from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.settings import Settings
+    from collage.app.store.engine import upgrade
     from tests.support.api import RecordingDispatcher
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,7 @@ def migrations_database():
     require_service(postgres_unavailable())
     import psycopg
 
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     name = f"collage_mig_{uuid.uuid4().hex[:10]}"
     admin = PG_ADMIN_URL.replace("+psycopg", "")

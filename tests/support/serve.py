@@ -143,7 +143,7 @@ def server(tmp_path_factory):
 def store_writer(server):
     """An engine and a StoreWriter on the module serve's own SQLite store: rows written as a worker would write
     them, without training."""
-    from collage.app.db import make_engine
+    from collage.app.store.engine import make_engine
     from collage.app.store.writer import StoreWriter
 
     engine = make_engine(f"sqlite:///{server['home'] / 'collage.db'}")

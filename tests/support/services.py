@@ -45,7 +45,7 @@ def truncate(url: str) -> None:
     """Every table of the store at ``url`` emptied (a migrated database reused between tests)."""
     from sqlalchemy import text
 
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     engine = engine_for(url)
     with engine.begin() as conn:

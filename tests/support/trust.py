@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlmodel import Session
 
-from collage.app.models import Run
+from collage.app.store.tables import Run
 
 from . import API
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from collage.app.status import RunStatus
+from collage.app.core.status import RunStatus
 from collage.app.store import jobs
 from tests.support import API
 from tests.support.checkpoints import (

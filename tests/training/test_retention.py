@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 from sqlmodel import Session
 
-from collage.app.models import Checkpoint, Run
+from collage.app.store.tables import Checkpoint, Run
 from collage.app.store.writer import StoreWriter
 from collage.training.checkpoint import (
     STATE_FILE,
@@ -50,7 +50,7 @@ def test_retention_across_worker_attempts_in_the_folders_and_the_store(database_
     worker does) and ends at step 5. save_total_limit 2 keeps the newest two and the best (step 1, older than
     both): on disk, the other folders of both attempts are gone; in the store (through StoreCallback, as a worker
     writes it) exactly the kept checkpoints remain, each with its metric."""
-    from collage.app.db import engine_for
+    from collage.app.store.engine import engine_for
 
     engine = engine_for(database_url)
     artifacts = tmp_path / "artifacts"

@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 
-from collage.app.settings import Settings
-from collage.app.trust import config_violations
+from collage.app.core.settings import Settings
+from collage.app.core.trust import config_violations
 from collage.training.config import parse_config
 from tests.support.trust import (
     ALLOWED,

@@ -104,12 +104,15 @@ def _processor_rgb(image: Image.Image) -> np.ndarray:
 @pytest.mark.parametrize("mode", ["L", "LA", "RGBA", "P-transparent", "CMYK", "I;16", "1"])
 def test_non_rgb_images_become_what_the_processor_makes_of_them(tmp_path, mode):
     pixels = np.random.default_rng(0).integers(0, 256, (12, 16, 4), dtype=np.uint8)
-    rgba = Image.fromarray(pixels, "RGBA")
+    rgba = Image.fromarray(pixels)  # (H, W, 4) uint8: RGBA (Pillow 13 takes no mode argument)
+    assert rgba.mode == "RGBA"
     if mode == "P-transparent":
         image = rgba.convert("RGB").convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
         image.info["transparency"] = 0
     elif mode == "I;16":
-        image = Image.fromarray((pixels[..., 0].astype(np.uint16) * 200), "I;16")
+        # 16-bit grey from bytes: what Image.fromarray(array, "I;16") made before Pillow 13 dropped its mode
+        wide = (pixels[..., 0].astype("<u2") * 200).tobytes()
+        image = Image.frombytes("I;16", (16, 12), wide)
     else:
         image = rgba.convert(mode)
     buf = io.BytesIO()

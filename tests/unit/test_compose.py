@@ -97,7 +97,7 @@ def test_the_s3_service_is_seaweedfs_with_a_healthcheck_and_the_clients_credenti
 
 @pytest.mark.parametrize("service", ["web", "worker-gpu0", *WEB_REPLICAS])
 def test_the_compose_environment_is_what_settings_read(service, monkeypatch):
-    from collage.app.settings import ENV_VARS, Settings
+    from collage.app.core.settings import ENV_VARS, Settings
 
     assert {"COLLAGE_ARTIFACTS", "COLLAGE_S3_ENDPOINT_URL", "COLLAGE_S3_PRESIGN"} <= set(ENV_VARS)
     env = compose()["services"][service]["environment"]
@@ -355,8 +355,8 @@ def test_the_run_stream_and_downloads_are_not_buffered_by_the_proxy():
 
 
 def test_the_proxy_takes_the_largest_upload_the_app_takes():
+    from collage.app.core.settings import Settings
     from collage.app.routers.playground import upload_body_limit
-    from collage.app.settings import Settings
 
     _, server = nginx_server()
     (size,) = directives(server, "client_max_body_size")

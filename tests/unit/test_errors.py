@@ -34,9 +34,10 @@ def _tier_bases(tier: str) -> tuple[type[BaseException], ...]:
         from collage.worker.errors import WorkerError
 
         return (WorkerError,)
-    from collage.app.errors import WebError
+    from collage.app.core.errors import WebError
+    from collage.app.store.errors import StoreError
 
-    return (WebError,)
+    return (WebError, StoreError)
 
 
 @pytest.mark.parametrize("tier", ["training", "worker", "app"])

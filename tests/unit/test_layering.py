@@ -1,7 +1,9 @@
 """The one direction between the tiers, checked on the source: ``training`` imports neither ``app`` nor ``worker``;
 ``app`` never imports ``worker`` except in its composition roots (``app/cli.py`` starts workers, ``app/serve.py``
-wires the Celery dispatcher and the reaper into the web process); ``worker`` may use ``app``'s store, settings and
-trust modules. Every import counts, a function-local one too."""
+wires the Celery dispatcher and the reaper into the web process); ``worker`` uses only the app's kernel
+(``app/core``: settings, trust, extras, status, errors; ``app/store``: tables, engine, writer, queries), which imports
+neither fastapi nor torch; the web tier and the command line reach no torch (but the dataset process and `collage
+train`); no import circle. Every import counts, a function-local one too (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,29 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSITION_ROOTS = {"app/cli.py", "app/serve.py"}
 
 
-def imports_of(file: Path) -> list[tuple[int, str]]:
-    """Every module ``file`` imports, relative imports resolved to ``collage.<tier>...``, with its line."""
+def _nodes(tree: ast.AST, at_load: bool) -> list[ast.AST]:
+    """Every node of ``tree``; with ``at_load`` only those that run when the module is imported (not a function's
+    body)."""
+    if not at_load:
+        return list(ast.walk(tree))
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def imports_of(file: Path, at_load: bool = False) -> list[tuple[int, str]]:
+    """Every module ``file`` imports, relative imports resolved to ``collage.<tier>...``, with its line (with
+    ``at_load``: only those its import runs, not a function's)."""
     relative = file.relative_to(ROOT).with_suffix("")
     package = ["collage", *relative.parts[:-1]]
     if relative.name == "__init__":
         package = ["collage", *relative.parts[:-1]]
     found = []
-    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), str(file))):
+    for node in _nodes(ast.parse(file.read_text(encoding="utf-8"), str(file)), at_load):
         if isinstance(node, ast.Import):
             found.extend((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -152,3 +169,83 @@ def test_the_circle_check_finds_a_circle_through_a_late_import(tmp_path, monkeyp
     (data / "check.py").write_text("from .rows import mapped\n")  # imports into the circle, not part of it
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
     assert import_circles(tmp_path) == [["collage.training.data.mapping", "collage.training.data.rows"]]
+
+
+# ------------------------------------------------------------------------------------------------ the app's kernel
+KERNEL = ("collage.app.core", "collage.app.store")  # what the web tier, the command line and the workers share
+HEAVY = ("torch", "torchvision", "transformers", "accelerate", "peft", "fastapi", "starlette")
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def reachable_imports(root: Path, start: tuple[str, ...], skip: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Every package outside Collage that the modules under ``start`` import (function-local imports count), directly
+    or through what the modules they import import when they load, each with one chain of modules that leads to it;
+    modules under ``skip`` are neither started from nor followed. (Another tier's function-local imports run only when its function is
+    called, which a kernel module that imports it for a constant or a check never does.)"""
+    modules = _modules(root)
+    chains: dict[str, list[str]] = {m: [m] for m in modules if _within(m, start) and not _within(m, skip)}
+    queue = list(chains)
+    external: dict[str, list[str]] = {}
+    while queue:
+        name = queue.pop(0)
+        for _, imported in imports_of(modules[name], at_load=not _within(name, start)):
+            target = imported
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target:
+                if target not in chains and not _within(target, skip):
+                    chains[target] = [*chains[name], target]
+                    queue.append(target)
+            elif not imported.startswith("collage"):
+                external.setdefault(imported.split(".")[0], [*chains[name], imported])
+    return external
+
+
+def test_workers_use_only_the_app_s_core_and_store():
+    found = [f"{file.relative_to(ROOT)}:{line} imports {name}" for file in _sources("worker")
+             for line, name in imports_of(file) if _within(name, ("collage.app",)) and not _within(name, KERNEL)]  # fmt: skip
+    assert found == [], "a worker uses the app's kernel only (app/core, app/store): move what it needs there"
+
+
+def test_the_kernel_imports_neither_fastapi_nor_torch():
+    heavy = {package: chain for package, chain in reachable_imports(ROOT, KERNEL).items() if package in HEAVY}
+    assert heavy == {}, " ; ".join(" -> ".join(chain) for chain in heavy.values())
+
+
+DATASET_PROCESS = ("collage.app.datahelper",)  # the web tier's one torch process: it loads processors for checks
+# `collage train` trains in its own process (torchrun launches it on every host: docs/scaling.md), the command line's
+# one door to the trainer; no other command, page or route may reach torch
+TRAIN_COMMAND = ["collage.app.cli", "collage.training.trainer"]
+
+
+def test_the_web_tier_and_the_command_line_load_no_torch():
+    """Lazily or not: a page, a route or a CLI command that reached torch would load it into the web process (the
+    dataset process, which the web tier starts and talks to over a pipe, is the one exception, and `collage train`
+    the command line's)."""
+    torch_side = ("torch", "torchvision", "transformers", "accelerate", "peft")
+    found = {p: chain for p, chain in reachable_imports(ROOT, ("collage.app",), DATASET_PROCESS).items()
+             if p in torch_side and chain[:2] != TRAIN_COMMAND}  # fmt: skip
+    assert found == {}, " ; ".join(" -> ".join(chain) for chain in found.values())
+
+
+def test_the_kernel_checks_find_a_violation(tmp_path, monkeypatch):
+    """The checks themselves: a worker importing a router, and a store module reaching torch through training."""
+    for folder in ("app/core", "app/store", "app/routers", "worker", "training"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "app" / "store" / "writer.py").write_text("def f():\n    from collage.training.deep import x\n")
+    (tmp_path / "training" / "deep.py").write_text("import torch.nn\n\ndef g():\n    import fastapi\n")
+    (tmp_path / "app" / "routers" / "runs.py").write_text("")
+    (tmp_path / "worker" / "tasks.py").write_text("from collage.app.routers import runs\nfrom ..app.core import x\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    reached = reachable_imports(tmp_path, KERNEL)
+    assert reached["torch"] == ["collage.app.store.writer", "collage.training.deep", "torch.nn"]
+    assert "fastapi" not in reached, "a function of another tier's module that the kernel never calls"
+    with pytest.raises(AssertionError, match="collage.app.routers"):
+        test_workers_use_only_the_app_s_core_and_store()
+    with pytest.raises(AssertionError, match="torch"):
+        test_the_kernel_imports_neither_fastapi_nor_torch()
+    with pytest.raises(AssertionError, match="torch"):
+        test_the_web_tier_and_the_command_line_load_no_torch()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from collage.app.models import Run
+from collage.app.store.tables import Run
 from collage.worker.supervisor import Slot, SlotTooSmall, child_command
 
 
@@ -46,7 +46,7 @@ def test_a_gpu_run_on_a_cpu_worker_trains_on_cpu_with_a_warning():
 
 def test_the_training_nice_value_defaults_by_kind_of_worker():
     """(The child running at it, autogroup included, is checked with real processes in test_shutdown.)"""
-    from collage.app.settings import Settings
+    from collage.app.core.settings import Settings
 
     settings = Settings(home=Path("/h"), database_url="sqlite://", broker_url="memory://", artifacts=Path("/a"))
     assert settings.training_nice(embedded=True) == 10, "under collage serve the web app keeps its CPU share"

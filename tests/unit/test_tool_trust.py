@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from collage.app.settings import ENV_VARS, Settings
-from collage.app.trust import config_violations
+from collage.app.core.settings import ENV_VARS, Settings
+from collage.app.core.trust import config_violations
 from collage.training.config import RunConfig, parse_config
 
 

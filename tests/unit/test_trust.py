@@ -51,8 +51,8 @@ def test_allowlisted_sync_and_async_functions_resolve():
 def test_the_default_model_roots_are_where_models_are_kept_not_the_home_with_its_token(tmp_path):
     """Without COLLAGE_MODEL_ROOTS a model path must lie under COLLAGE_HOME/models or COLLAGE_HOME/cache/models:
     the home itself holds the serve token, the store and the broker (the playground took the token file as a model)."""
-    from collage.app.settings import Settings
-    from collage.app.trust import model_violation
+    from collage.app.core.settings import Settings
+    from collage.app.core.trust import model_violation
 
     settings = Settings(home=tmp_path, database_url="sqlite://", broker_url="memory://", artifacts=tmp_path / "a")
     assert settings.allowed_model_roots() == (tmp_path / "models", tmp_path / "cache" / "models")

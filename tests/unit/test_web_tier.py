@@ -1,6 +1,6 @@
 """The shape of the web tier, checked on the source: routes take what they need through the typed aliases of
 ``app/deps.py`` (never ``request.app.state``), leave SQL to ``app/store/`` and never open a store session of their
-own; only ``app/settings.py`` reads configuration from the environment; no function in ``app/`` grows past 80
+own; only ``app/core/settings.py`` reads configuration from the environment; no function in ``app/`` grows past 80
 lines."""
 
 from __future__ import annotations
@@ -108,15 +108,15 @@ def _environment_reads(tree: ast.Module) -> list[tuple[int, str]]:
 
 
 def test_only_the_settings_read_the_environment():
-    """Operator (and CLI client) configuration comes through app/settings.py; app/cli.py is the command line's own."""
+    """Operator (and CLI client) configuration comes through app/core/settings.py; app/cli.py is the command line's own."""
     found = []
     for path in sorted(APP.rglob("*.py")):
         rel = _rel(path)
-        if rel in ("app/settings.py", "app/cli.py"):
+        if rel in ("app/core/settings.py", "app/cli.py"):
             continue
         found += [f"{rel}:{line} {where}" for line, where in _environment_reads(_tree(path))
                   if (rel, where) not in ENVIRONMENT_PLUMBING]  # fmt: skip
-    assert found == [], "read it through Settings (app/settings.py): add a field there"
+    assert found == [], "read it through Settings (app/core/settings.py): add a field there"
 
 
 def test_the_environment_check_sees_reads(tmp_path):

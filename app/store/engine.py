@@ -17,10 +17,10 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, create_engine
 
-from .errors import WebError
+from collage.app.store.errors import StoreError
 
 
-class DatabaseNotMigrated(WebError, RuntimeError):
+class DatabaseNotMigrated(StoreError, RuntimeError):
     pass
 
 
@@ -95,7 +95,7 @@ def make_engine(url: str, lock_timeout: float | None = None) -> Engine:
 
         return engine
     if url.startswith("postgresql"):
-        from .extras import require
+        from collage.app.core.extras import require
 
         require("postgres", "a PostgreSQL store (COLLAGE_DATABASE_URL)")
     # psycopg prepares repeated statements; a generic plan would use the trigram index even for very common
@@ -219,7 +219,7 @@ def check_migrated(engine: Engine) -> None:
 def migrated_store() -> Engine:
     """The engine of the store the settings name (``COLLAGE_DATABASE_URL``), refused unless migrated: what a command
     line tool works on."""
-    from .settings import get_settings
+    from collage.app.core.settings import get_settings
 
     engine = engine_for(get_settings().database_url)
     check_migrated(engine)

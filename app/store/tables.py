@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Column, ForeignKey, Index, Integer, String, Table, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
-from .status import ENDED, RunStatus  # noqa: F401 - re-exported for the store
+from collage.app.core.status import ENDED, RunStatus  # noqa: F401 - re-exported for the store
 
 
 def utcnow() -> datetime:

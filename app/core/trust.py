@@ -18,14 +18,14 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from collage.app.core.settings import Settings
 from collage.training.config import RunConfig
 from collage.training.confine import folder_escape
 from collage.training.images import resolve_roots
+from collage.training.models.families import TINY_FAMILIES
 from collage.training.rewards.builtins import BUILTINS
 from collage.training.rewards.registry import IMPORT_PATH, import_path_error
 from collage.training.tools.registry import tool_import_error, tool_name_error
-
-from .settings import Settings
 
 # \Z, not $ (which also matches before a trailing newline: "org/name\n"); .match then matches the whole value
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*\Z")  # org/name
@@ -160,3 +160,18 @@ def config_violations(config: RunConfig, settings: Settings) -> list[tuple[str, 
     if config.environment is not None and (message := environment_violation(config.environment, settings)) is not None:
         errors.append(("environment", message))
     return errors
+
+
+def base_model_problem(path: str, settings: Settings) -> str | None:
+    """Why a base model path may not be loaded by the playground, or None: ``tiny:<family>``, or an absolute folder
+    under COLLAGE_MODEL_ROOTS. A hub id is never downloaded for the playground (nothing outside the roots)."""
+    if TINY.match(path):
+        family = path.removeprefix("tiny:")
+        return (
+            None if family in TINY_FAMILIES else f"no tiny model {path!r}: choose tiny:{', tiny:'.join(TINY_FAMILIES)}"
+        )
+    roots = settings.allowed_model_roots()
+    if is_local(path):
+        return local_model_violation(path, roots)
+    what = "a hub id is not downloaded by the playground" if is_hub_id(path) else "a relative path is never read"
+    return f"the playground loads tiny:<family> or an absolute model folder under the operator's roots ({what})"
