@@ -4,7 +4,7 @@ A route that needs the bucket (an image or its thumbnail fetched into this node'
 reads what it needs from the store and closes its session, then calls :func:`bucket_call`. The call runs on a
 small thread pool of its own (:data:`BUCKET_THREADS`), not on the threads every other route shares, and the request
 waits for it at most ``COLLAGE_S3_REQUEST_WAIT`` seconds (:attr:`Settings.s3_request_wait`): past that it raises
-:class:`~collage.training.objectstore.StorageUnreachable`, which the app answers ``503`` with ``Retry-After``. So
+:class:`~collage.training.infra.objectstore.StorageUnreachable`, which the app answers ``503`` with ``Retry-After``. So
 an outage of the bucket makes those requests fail fast while every other route keeps answering: no store
 connection waits on the bucket (PostgreSQL would end an idle transaction after 60 s, and a pool held by waiting
 requests starves the rest), and no shared thread does.
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from collage.app.core.settings import Settings
-from collage.training.objectstore import ObjectMirror, StorageUnreachable, mirror_for
+from collage.training.infra.objectstore import ObjectMirror, StorageUnreachable, mirror_for
 
 T = TypeVar("T")
 

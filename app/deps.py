@@ -26,10 +26,10 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from collage.app.core.settings import Settings
+from collage.app.datasets.client import DatasetGate
 from collage.app.store.tables import ApiToken
 
 from .auth import require_admin, require_token, token_if_valid
-from .dataset_helper import DatasetGate
 from .dispatch import Dispatcher
 from .state import cursor_key_of, dataset_gate, dispatcher_of, engine_of, export_slots, settings_of, writer_of
 from .store.writer import StoreWriter

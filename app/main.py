@@ -94,7 +94,7 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
 
 
 def _add_exception_handlers(app: FastAPI) -> None:
-    from collage.training.objectstore import StorageError
+    from collage.training.infra.objectstore import StorageError
 
     app.exception_handler(RequestValidationError)(_validation)
     app.exception_handler(StarletteHTTPException)(_http)
@@ -109,7 +109,7 @@ async def _storage(_request: Request, exc: Exception) -> JSONResponse:
     """The artifacts' bucket failed a request: 503 with Retry-After when it does not answer (it may come back), 502
     when what it holds cannot be used (a file not matching its manifest, a manifest naming a file outside its
     folder): never a 500, and the reason is said."""
-    from collage.training.objectstore import StorageUnreachable
+    from collage.training.infra.objectstore import StorageUnreachable
 
     if isinstance(exc, StorageUnreachable):
         return JSONResponse(status_code=503, content={"detail": f"the artifacts' bucket is unreachable: {exc}"},

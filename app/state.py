@@ -26,7 +26,7 @@ from .dispatch import Dispatcher
 from .store.writer import StoreWriter
 
 if TYPE_CHECKING:  # imported when first used: the token check and the pages import this module, not the helper
-    from .dataset_helper import DatasetGate
+    from collage.app.datasets.client import DatasetGate
 
 _LAZY_LOCK = threading.Lock()  # the lazily made objects below are made once per app, whichever request comes first
 
@@ -84,7 +84,7 @@ def export_slots(app: FastAPI) -> threading.BoundedSemaphore:
 def dataset_gate(app: FastAPI) -> DatasetGate:
     """The admission gate of the app's dataset requests (previews, checks, a run's submit-time probe). Per web
     replica on purpose: it bounds what waits for this process's own dataset helper."""
-    from .dataset_helper import DatasetGate
+    from collage.app.datasets.client import DatasetGate
 
     with _LAZY_LOCK:
         gate: DatasetGate | None = getattr(app.state, "dataset_gate", None)

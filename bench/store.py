@@ -494,9 +494,9 @@ def _check(query: Query, response) -> None:
 def measure(store: Store, args: argparse.Namespace, home: Path) -> list[tuple[str, float, float]]:
     from fastapi.testclient import TestClient
 
+    from collage.app.cli.serve import freeze_startup_heap
     from collage.app.core.settings import Settings
     from collage.app.main import create_app
-    from collage.app.serve import freeze_startup_heap
     from collage.app.store.tokens import create_token
 
     settings = Settings(home=home, database_url=store.url, broker_url="memory://", artifacts=home / "artifacts")

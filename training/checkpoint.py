@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .diskspace import DiskFull, full_disk_error, space_or_none
-from .errors import InputError
-from .private import private_dir, private_tree
+from collage.training.infra.diskspace import DiskFull, full_disk_error, space_or_none
+from collage.training.infra.errors import InputError
+from collage.training.infra.private import private_dir, private_tree
 
 # the retention choice (pure, torch-free: the API marks the best checkpoint with it), beside the folder side below
 from .retention import best_checkpoint as best_checkpoint

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputError
+from collage.training.infra.errors import InputError
 
 MODEL_FOLDER = "model"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -139,7 +139,7 @@ def export_checkpoint(
             _adapter(model_dir, base_model, tmp)
         say(0.8, "checking that the export loads")
         _verify(tmp, dtype)
-        from .private import private_tree
+        from collage.training.infra.private import private_tree
 
         private_tree(tmp)
         size = sum((tmp / f).stat().st_size for f in plain_files(tmp))

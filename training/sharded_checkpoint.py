@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from collage.training.infra.errors import InputError
+
 from .checkpoint import CheckpointRefused
-from .errors import InputError
 
 SHARDS = "shards"
 MANIFEST = "shards.json"

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import InputError
+from collage.training.infra.errors import InputError
 
 RENDER_SECONDS = 5.0  # one rendering of a chat template (a real one takes milliseconds)
 MAX_CHARS = 1_000_000  # the longest text (or list) a rendering may make: a prompt of a quarter of a million tokens

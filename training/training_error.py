@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import RunError
+from collage.training.infra.errors import RunError
 
 
 class TrainingError(RunError):

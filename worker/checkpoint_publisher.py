@@ -18,7 +18,7 @@ from pathlib import Path
 
 from collage.app.store.writer import StoreWriter
 from collage.training.callbacks import BackgroundWriter, CheckpointInfo
-from collage.training.objectstore import ObjectMirror, relative_to_root
+from collage.training.infra.objectstore import ObjectMirror, relative_to_root
 
 log = logging.getLogger("collage.worker")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from collage.training.callbacks import Callback
-from collage.training.objectstore import StorageDamaged
+from collage.training.infra.objectstore import StorageDamaged
 
 from .errors import WorkerError
 
@@ -259,7 +259,7 @@ class Attempt:
     def _fetch(self, recorded: str) -> None:
         """The checkpoint on this host, checked against its manifest (fetched from the bucket when missing or not
         matching): StorageDamaged when the bucket's copy is damaged, CheckpointMissing when it is nowhere."""
-        from collage.training.objectstore import ensure_local_folder
+        from collage.training.infra.objectstore import ensure_local_folder
 
         if not ensure_local_folder(self.settings.artifacts, self._local(recorded), self.settings.mirror()):
             raise CheckpointMissing(f"run {self.run_id}: its checkpoint {recorded} is neither on this host nor in "
@@ -271,7 +271,7 @@ class Attempt:
         exit), and the transition takes only the first."""
         from collage.app.core.status import ACTIVE, RunStatus
         from collage.app.store.faults import is_store_fault
-        from collage.training.diskspace import DiskFull
+        from collage.training.infra.diskspace import DiskFull
 
         if self.rank != 0:
             world = os.environ.get("WORLD_SIZE", "?")
@@ -336,7 +336,7 @@ def _prepare_process() -> StopOnSignal:
     stop_signal = StopOnSignal()
     stop_signal.install()
     die_with_parent()
-    from collage.training.private import private_umask
+    from collage.training.infra.private import private_umask
 
     private_umask()
     lower_priority()
@@ -369,7 +369,7 @@ def _import_training_libraries() -> None:
 def _train(attempt: Attempt, config: Any, out: Path, callbacks: list[Callback], resume: bool) -> Any:
     """The run's training; a full disk (artifacts, or the store's) ends it with its path and the space left, not
     with whatever the library that hit it calls it ("iostream error", "database or disk is full")."""
-    from collage.training.diskspace import as_disk_full
+    from collage.training.infra.diskspace import as_disk_full
     from collage.training.trainer import Trainer, TrainingError
 
     settings = attempt.settings
@@ -397,7 +397,7 @@ def begin(attempt: Attempt) -> tuple[dict, Path | None] | int:
     past the store writer's retries) fails the run saying so, as does a checkpoint that is nowhere or damaged with no
     intact one before it; an attempt that is no longer current exits without writing."""
     from collage.app.store.writer import StaleAttempt
-    from collage.training.objectstore import StorageError
+    from collage.training.infra.objectstore import StorageError
 
     from .store_callback import EXIT_STALE
 
@@ -421,7 +421,7 @@ def main(run_id: str, attempt_number: int) -> int:
     from collage.app.core.trust import config_violations
     from collage.app.store.writer import StaleAttempt
     from collage.training.config import parse_config
-    from collage.training.objectstore import StorageError
+    from collage.training.infra.objectstore import StorageError
     from collage.training.trainer import TrainingError
 
     from .store_callback import EXIT_STALE, StoreCallback

@@ -1,8 +1,8 @@
-"""The worker tier's errors, under :class:`~collage.training.errors.CollageError` (docs/errors.md has the tree)."""
+"""The worker tier's errors, under :class:`~collage.training.infra.errors.CollageError` (docs/errors.md has the tree)."""
 
 from __future__ import annotations
 
-from collage.training.errors import CollageError
+from collage.training.infra.errors import CollageError
 
 
 class WorkerError(CollageError, RuntimeError):

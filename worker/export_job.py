@@ -234,7 +234,7 @@ def main(argv: list[str]) -> int:
 
     die_with_parent()
     lower_priority()
-    from collage.training.private import private_umask
+    from collage.training.infra.private import private_umask
 
     private_umask()
     report_fd = int(os.environ[REPORT_FD_ENV])
@@ -245,8 +245,8 @@ def main(argv: list[str]) -> int:
         reports.write(json.dumps(report) + "\n")
 
     request = json.loads(argv[0])
-    from collage.training.errors import CollageError
     from collage.training.export import export_checkpoint
+    from collage.training.infra.errors import CollageError
 
     try:
         result = export_checkpoint(

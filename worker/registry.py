@@ -24,7 +24,7 @@ from sqlmodel import col
 from collage.app.store.engine import session_scope
 from collage.app.store.sql import upsert
 from collage.app.store.tables import Worker, table_of, utcnow
-from collage.training.diskspace import existing_ancestor, space
+from collage.training.infra.diskspace import existing_ancestor, space
 
 log = logging.getLogger("collage.worker")
 

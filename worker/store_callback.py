@@ -10,7 +10,7 @@ from pathlib import Path
 from collage.app.store.tables import RunStatus
 from collage.app.store.writer import ImageIn, SampleIn, StaleAttempt, StoreWriter
 from collage.training.callbacks import BackgroundWriter, Callback, CheckpointInfo, RolloutRow
-from collage.training.objectstore import ObjectMirror
+from collage.training.infra.objectstore import ObjectMirror
 
 from .checkpoint_publisher import CheckpointPublisher
 from .heartbeat import Heartbeat

@@ -50,7 +50,7 @@ from collage.app.store.nodes import (
 from collage.app.store.queueing import queue_of
 from collage.app.store.tables import Run, utcnow
 from collage.app.store.writer import StaleAttempt, StoreWriter
-from collage.training.diskspace import DiskFull
+from collage.training.infra.diskspace import DiskFull
 
 from .child import EXIT_STORE_FULL, EXIT_STORE_UNREACHABLE, NICE_ENV
 from .errors import WorkerError

@@ -41,7 +41,7 @@ Warn = Callable[[str], None]
 
 
 def _pil(png: bytes) -> Any:
-    from collage.training.images import open_raster_file
+    from collage.training.infra.images import open_raster_file
 
     image = open_raster_file(io.BytesIO(png))
     image.load()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from collage.training.errors import MissingExtraError
+from collage.training.infra.errors import MissingExtraError
 
 # top-level module -> the extra that installs it (pyproject.toml's [project.optional-dependencies])
 EXTRA_OF_MODULE = {

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from collage.training.objectstore import (
+from collage.training.infra.objectstore import (
     CACHE_UNITS,
     CachePruner,
     ObjectMirror,
@@ -65,7 +65,7 @@ ENV_VARS = (
     "COLLAGE_UPLOAD_MAX_PIXELS",
     "COLLAGE_UPLOAD_QUOTA_MB",
     "COLLAGE_UPLOAD_BUDGET_MB",
-    # the dataset helper (app/datahelper.py), read in the helper process itself
+    # the dataset helper (app/datasets/process.py), read in the helper process itself
     "COLLAGE_DATA_HELPER_IDLE",
 )
 

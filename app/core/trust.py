@@ -21,7 +21,7 @@ from pathlib import Path
 from collage.app.core.settings import Settings
 from collage.training.config import RunConfig
 from collage.training.confine import folder_escape
-from collage.training.images import resolve_roots
+from collage.training.infra.images import resolve_roots
 from collage.training.models.families import TINY_FAMILIES
 from collage.training.rewards.builtins import BUILTINS
 from collage.training.rewards.registry import IMPORT_PATH, import_path_error

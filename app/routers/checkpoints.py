@@ -16,7 +16,7 @@ from sqlmodel import Session
 
 from collage.app.core.settings import Settings
 from collage.app.store.tables import Run
-from collage.training.objectstore import ObjectMirror
+from collage.training.infra.objectstore import ObjectMirror
 
 from .. import tarstream
 from ..auth import UNAUTHORIZED, Responses, require_token

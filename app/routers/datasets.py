@@ -1,5 +1,5 @@
-"""Dataset check and preview, answered by a long-lived child process (``collage.app.datahelper``) through
-:mod:`collage.app.dataset_helper`, which starts it and bounds how many requests one web process takes on.
+"""Dataset check and preview, answered by a long-lived child process (``collage.app.datasets.process``) through
+:mod:`collage.app.datasets.client`, which starts it and bounds how many requests one web process takes on.
 
 The client's values are checked against the operator's roots first (app.trust: an outside path never reaches the
 child) and travel as JSON fields (never read as options). The operator's data roots travel with every request: the
@@ -19,14 +19,14 @@ from pydantic import ValidationError
 
 from collage.app.core.settings import Settings
 from collage.app.core.trust import split_violation
+from collage.app.datasets.client import DataHelper as DataHelper  # the tests reach the helper through this module
+from collage.app.datasets.client import data_helper as data_helper
+from collage.app.datasets.client import run_gated
+from collage.app.datasets.client import warm_up as warm_up  # the launch page starts the helper early
 from collage.training.config import IMAGES_MAX, SEED_MAX, DatasetSettings
 from collage.training.data.mapping import parse_columns
 
 from ..auth import UNAUTHORIZED, Responses, require_token
-from ..dataset_helper import DataHelper as DataHelper  # the tests reach the helper through this module
-from ..dataset_helper import data_helper as data_helper
-from ..dataset_helper import run_gated
-from ..dataset_helper import warm_up as warm_up  # the launch page starts the helper early
 from ..deps import CurrentUser, DatasetGateDep, EngineDep, SettingsDep
 from ..schemas import DatasetCheckOut, DatasetCheckRequest, DatasetPreviewOut, PreviewRow
 from ..store.image_index import register_images

@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 
 from collage.app.core.status import ENDED, JobKind, RunStatus
 from collage.app.store.tables import ApiToken, Job
-from collage.training.objectstore import ensure_local_folder
+from collage.training.infra.objectstore import ensure_local_folder
 
 from ..auth import FORBIDDEN, UNAUTHORIZED, is_admin, owns, require_token
 from ..deps import CurrentUser, DispatcherDep, EngineDep, ExportSlotsDep, SessionDep, SettingsDep

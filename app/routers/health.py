@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.engine import Engine
 
 from collage.app.core.settings import Settings
-from collage.training.diskspace import existing_ancestor, space
+from collage.training.infra.diskspace import existing_ancestor, space
 
 from ..deps import DispatcherDep, EngineDep, MaybeUser, SettingsDep
 from ..schemas import HealthOut

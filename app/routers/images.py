@@ -12,7 +12,7 @@ from sqlmodel import Session
 
 from collage.app.core.settings import Settings
 from collage.app.store.tables import Image
-from collage.training.objectstore import ObjectMirror
+from collage.training.infra.objectstore import ObjectMirror
 
 from ..auth import UNAUTHORIZED, require_token
 from ..bucket import bucket_call, request_mirror

@@ -10,11 +10,11 @@ from fastapi import Depends, HTTPException
 
 from collage.app.core.settings import Settings
 from collage.app.core.status import RunStatus
+from collage.app.datasets.client import DatasetGate
+from collage.app.datasets.probe import probe_errors
 from collage.app.store.tables import ApiToken, Run
 from collage.training.config import RunConfig
 
-from ..dataset_helper import DatasetGate
-from ..dataset_probe import probe_errors
 from ..deps import DatasetGateDep, DispatcherDep, SettingsDep, WriterDep
 from ..dispatch import Dispatcher
 from ..store.writer import StoreWriter

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, HTTPException
 
+from collage.app.datasets.client import run_gated
 from collage.training.memory_plan import parse_size
 
 from ..auth import UNAUTHORIZED, require_token
-from ..dataset_helper import run_gated
 from ..deps import CurrentUser, DatasetGateDep, SettingsDep
 from ..schemas import ErrorOut, PlanOut, PlanRequest, ValidationErrorOut
 from ..validation import check_model

@@ -20,13 +20,7 @@ from starlette.datastructures import UploadFile
 
 from collage.app.core.settings import Settings
 from collage.app.core.status import JobKind, RunStatus
-from collage.app.store.jobs import model_summary
-from collage.app.store.tables import ApiToken, Job
-from collage.training.images import ImageRefused
-
-from ..auth import UNAUTHORIZED, Responses, is_admin, owns, require_token
-from ..deps import CurrentUser, DispatcherDep, EngineDep, SessionDep, SettingsDep
-from ..playground import (
+from collage.app.playground.request import (
     Refused,
     ResolvedModel,
     clean_upload,
@@ -36,6 +30,12 @@ from ..playground import (
     resolve_model,
     upload_growth_error,
 )
+from collage.app.store.jobs import model_summary
+from collage.app.store.tables import ApiToken, Job
+from collage.training.infra.images import ImageRefused
+
+from ..auth import UNAUTHORIZED, Responses, is_admin, owns, require_token
+from ..deps import CurrentUser, DispatcherDep, EngineDep, SessionDep, SettingsDep
 from ..schemas import (
     ErrorOut,
     GenerateCreated,

@@ -28,7 +28,7 @@ from collage.app.core.trust import confined
 from collage.app.store.errors import StoreError
 from collage.app.store.tables import Checkpoint, Run
 from collage.training.config import TrainSettings
-from collage.training.objectstore import ObjectMirror, ensure_local_folder
+from collage.training.infra.objectstore import ObjectMirror, ensure_local_folder
 from collage.training.retention import best_checkpoint
 
 BEST, LAST = "best", "last"

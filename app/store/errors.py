@@ -1,9 +1,9 @@
-"""The store's errors, under :class:`~collage.training.errors.CollageError` (docs/errors.md has the tree): the web
+"""The store's errors, under :class:`~collage.training.infra.errors.CollageError` (docs/errors.md has the tree): the web
 tier, the command line and the workers raise them alike, so they are not the web tier's."""
 
 from __future__ import annotations
 
-from collage.training.errors import CollageError
+from collage.training.infra.errors import CollageError
 
 
 class StoreError(CollageError):

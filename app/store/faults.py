@@ -1,7 +1,7 @@
 """How the store fails, in one place: which database errors mean "the store is unavailable now" (locked, timed out,
 unreachable, connection dropped) rather than a bug (the API answers them 503 with ``Retry-After``, never 500;
 writers retry the ones that a new connection may cure), and a store whose disk is full (SQLite's SQLITE_FULL,
-PostgreSQL's SQLSTATE 53100), reported as a :class:`~collage.training.diskspace.DiskFull` naming where, never
+PostgreSQL's SQLSTATE 53100), reported as a :class:`~collage.training.infra.diskspace.DiskFull` naming where, never
 retried as if the connection had dropped."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from collage.training.diskspace import DiskFull, full_disk_error
+from collage.training.infra.diskspace import DiskFull, full_disk_error
 
 # OperationalError: SQLite's "database is locked", PostgreSQL's lock_timeout, a refused or dropped connection, a
 # full disk; InterfaceError: a connection already closed; PoolTimeout: every pooled connection busy too long

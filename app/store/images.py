@@ -3,7 +3,7 @@
 ``images/ab/cd/<sha256>.png`` holds the image, ``thumbs/ab/cd/<sha256>.png`` its thumbnail, made on first
 request and kept. Files are written through a temporary name and renamed, so a reader never sees half a file.
 
-With object storage (``COLLAGE_ARTIFACTS=s3://...``, :mod:`collage.training.objectstore`) each file is also
+With object storage (``COLLAGE_ARTIFACTS=s3://...``, :mod:`collage.training.infra.objectstore`) each file is also
 written to the bucket, once (its key is its hash), and the local folder is this host's cache: a host that does not
 have an image fetches it from the bucket.
 """
@@ -17,8 +17,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from collage.training.images import open_raster_file
-from collage.training.objectstore import ObjectMirror, ensure_local_file
+from collage.training.infra.images import open_raster_file
+from collage.training.infra.objectstore import ObjectMirror, ensure_local_file
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")  # \Z: `$` would accept a trailing newline
 THUMB_SIZE = 160

@@ -32,8 +32,8 @@ from sqlmodel import Session, col
 from collage.app.store.engine import session_scope
 from collage.app.store.errors import StoreError
 from collage.app.store.tables import Image, Upload, table_of, utcnow
-from collage.training.diskspace import human, space_or_none
-from collage.training.objectstore import ObjectMirror, StorageError
+from collage.training.infra.diskspace import human, space_or_none
+from collage.training.infra.objectstore import ObjectMirror, StorageError
 
 from .images import relative_path
 from .sql import dialect_insert

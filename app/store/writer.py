@@ -40,7 +40,7 @@ from collage.app.store.tables import (
     utcnow,
 )  # fmt: skip
 from collage.training.callbacks import scalar_columns
-from collage.training.objectstore import ObjectMirror
+from collage.training.infra.objectstore import ObjectMirror
 
 from . import rollups
 from .faults import is_disk_full, retryable, store_disk_full

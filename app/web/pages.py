@@ -131,9 +131,9 @@ def runs_page(request: Request) -> Response:
 def launch_page(request: Request, engine: EngineDep, settings: SettingsDep, clone: str | None = None) -> Response:
     if _user(request) is None:
         return _login_redirect(request)
+    from collage.app.datasets.client import warm_up
     from collage.app.store.workers import live_workers
 
-    from ..dataset_helper import warm_up
     from ..routers.workers import live_within
 
     warm_up()  # the dataset helper imports the training stack now, not when *Preview and check* is pressed

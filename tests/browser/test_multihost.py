@@ -166,7 +166,7 @@ def _steps(deployment: Deployment, run_id: str) -> tuple[list[int], list[tuple[i
 
 
 def _bucket(deployment: Deployment):
-    from collage.training.objectstore import ObjectMirror
+    from collage.training.infra.objectstore import ObjectMirror
 
     return ObjectMirror(deployment.shared["COLLAGE_ARTIFACTS"], deployment.s3.endpoint, retry_for=30)
 

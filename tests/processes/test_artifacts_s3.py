@@ -205,7 +205,7 @@ def test_a_bucket_unreachable_past_the_retry_window_fails_the_write_naming_it_an
 
     from collage.app.store.writer import StoreWriter
     from collage.training.callbacks import RolloutImage, RolloutRow
-    from collage.training.objectstore import ObjectMirror, StorageError
+    from collage.training.infra.objectstore import ObjectMirror, StorageError
     from collage.worker.store_callback import StoreCallback
     from tests.support.services import free_port
 
@@ -334,7 +334,7 @@ def _linked(attempt) -> dict[str, Path]:
 def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_newest_intact_one(resumed, cached, keep_limit):
     """Steps 3, 6 and 9 were published, then step 9's weights in the bucket stopped matching the manifest: the
     resumed attempt continues from step 6, and the run's events say which checkpoint was skipped and why."""
-    from collage.training.objectstore import ensure_local_folder
+    from collage.training.infra.objectstore import ensure_local_folder
 
     client, web, run, make_attempt = resumed
     rel = f"runs/{run}/attempt-1/checkpoints/step-{{}}"
@@ -358,7 +358,7 @@ def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_newest_intact_one(re
 
 
 def test_a_worker_s_damaged_cached_copy_of_an_intact_checkpoint_is_fetched_again_and_used(resumed):
-    from collage.training.objectstore import ensure_local_folder
+    from collage.training.infra.objectstore import ensure_local_folder
 
     client, web, run, make_attempt = resumed
     attempt = make_attempt()

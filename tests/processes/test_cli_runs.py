@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from collage.app import serve_record
+from collage.app.cli import serve_record
 from tests.support import API, ROOT
 from tests.support.browser import small_config, wait_done, wait_step
 from tests.support.serve import Serve, serve_env
@@ -259,7 +259,7 @@ import os, sys
 os.getuid = os.geteuid = lambda: 0  # as root
 from celery.exceptions import SecurityError
 from celery.platforms import check_privileges
-from collage.app.cli import allow_embedded_root
+from collage.app.cli.main import allow_embedded_root
 allow_embedded_root()
 check_privileges({"json"})
 try:

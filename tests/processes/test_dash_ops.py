@@ -86,5 +86,5 @@ def test_client_values_reach_the_helper_as_data_never_as_arguments(api, tmp_path
         ("check", source, "validation"),
     ]
     helper = datasets.data_helper()
-    assert helper.proc.args == [sys.executable, "-m", "collage.app.datahelper"]
+    assert helper.proc.args == [sys.executable, "-m", "collage.app.datasets.process"]
     assert os.listdir(helper.folder) == [] and helper.folder != os.getcwd()

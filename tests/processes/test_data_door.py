@@ -22,7 +22,7 @@ from pathlib import Path
 from PIL import Image
 
 from collage.training.data.display import MAX_DEPTH
-from collage.training.home import cache_dir
+from collage.training.infra.home import cache_dir
 from tests.support.hostile_data import (
     POSTSCRIPT,
     bomb_png,
@@ -227,7 +227,7 @@ class Stuck:
     refuses a file that is not a regular one before it reads it.)"""
 
     def __init__(self, folder: Path, client):
-        from collage.app.dataset_helper import data_helper
+        from collage.app.datasets.client import data_helper
 
         folder.mkdir(parents=True)
         self.folder = folder

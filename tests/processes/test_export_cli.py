@@ -113,7 +113,7 @@ def test_export_on_a_machine_that_only_reaches_the_bucket(tmp_path, monkeypatch)
     from collage.app.store.engine import engine_for, upgrade
     from collage.app.store.writer import StoreWriter
     from collage.training.config import parse_config
-    from collage.training.objectstore import ObjectMirror
+    from collage.training.infra.objectstore import ObjectMirror
     from tests.support.s3 import s3_environment, shared_endpoint
 
     s3 = s3_environment(shared_endpoint())

@@ -168,7 +168,7 @@ def test_a_store_on_a_full_disk_fails_the_run_naming_it(small_fs, tmp_path):
 def test_a_fixed_copy_on_a_full_disk_is_one_line_and_leaves_nothing(small_fs, tmp_path, capsys):
     """`collage data check --fix OUT` on a disk that fills up: exit 2, one line naming what could not be written,
     no traceback, and no half-written copy left behind."""
-    from collage.app.cli import main
+    from collage.app.cli.main import main
     from collage.training.data.synth import write_synth
 
     source = write_synth("count-red", tmp_path / "data", rows=60, min_images=2, max_images=3, seed=0, size=112)

@@ -1,4 +1,4 @@
-"""Artifacts on object storage (collage.training.objectstore) against the suite's real S3 server (SeaweedFS): single
+"""Artifacts on object storage (collage.training.infra.objectstore) against the suite's real S3 server (SeaweedFS): single
 objects written once, folders visible only with their manifest, fetches checked against it, bad manifests refused,
 removed folders gone for readers at once, the local cache kept under its bound, and an unreachable server reported
 by name after the retry window."""
@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from collage.training.objectstore import (
+from collage.training.infra.objectstore import (
     MANIFEST,
     ObjectMirror,
     StorageError,
@@ -105,7 +105,7 @@ def test_an_unreachable_server_fails_after_the_retry_window_naming_it(monkeypatc
 def test_the_cache_keeps_under_its_bound_removing_the_least_recently_used_first(mirror, tmp_path):
     import os
 
-    from collage.training.objectstore import cache_entries, prune_cache
+    from collage.training.infra.objectstore import cache_entries, prune_cache
 
     root = tmp_path / "cache"
     for i in range(4):  # four 1000-byte images, used (mtime) 1000..4000 s ago, oldest first

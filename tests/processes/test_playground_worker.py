@@ -203,7 +203,7 @@ def test_rewards_run_only_under_the_workers_allowlist(play, checkpoints):
 
 
 def test_cancel_stops_a_generation_at_its_next_token_and_keeps_the_model(play):
-    from collage.worker.playground import PROCESS
+    from collage.worker.playground.service import PROCESS
 
     client, app, settings = play
     job = queue(client, models=[{"path": "tiny:qwen2-vl"}], num_generations=16, max_new_tokens=1024, seed=1)
@@ -260,7 +260,7 @@ def test_missing_checkpoints_bad_images_and_wrong_folders_fail_clearly(play, che
 def test_the_process_exits_after_its_idle_time_and_a_new_one_serves_the_next(play):
     from dataclasses import replace
 
-    from collage.worker.playground import PROCESS
+    from collage.worker.playground.service import PROCESS
 
     client, app, settings = play
     PROCESS.stop("the test wants a short idle time")
@@ -293,7 +293,7 @@ def test_the_playground_process_ends_with_its_worker_even_while_busy():
     script = (
         "import os, subprocess, sys, time\n"
         "env = dict(os.environ, COLLAGE_PLAYGROUND_PARENT=str(os.getpid()), COLLAGE_PLAYGROUND_TTL='600')\n"
-        "child = subprocess.Popen([sys.executable, '-m', 'collage.worker.playground_child'], stdin=sys.stdin, env=env)\n"
+        "child = subprocess.Popen([sys.executable, '-m', 'collage.worker.playground.process'], stdin=sys.stdin, env=env)\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
@@ -346,7 +346,7 @@ def decoded(tool_image: dict) -> Image.Image:
 def scripted(monkeypatch):
     """A playground process whose model is scripted (tests/support/scripted.py): ``script(turns)`` (re)starts it
     with the turns it answers a prompt holding MARKER with; after the test the next process is a plain one."""
-    from collage.worker.playground import PROCESS
+    from collage.worker.playground.service import PROCESS
     from tests.support.scripted import scripted_env
 
     def script(turns: list[str]) -> None:

@@ -18,7 +18,7 @@ def test_collage_serve_freezes_its_start_up_heap_before_it_answers(tmp_path):
 
     script = (
         "import gc, json, sys, uvicorn\n"
-        "from collage.app.serve import serve\n"
+        "from collage.app.cli.serve import serve\n"
         "def run(self):\n"
         "    print(json.dumps({'frozen': gc.get_freeze_count(), 'app': any(type(o).__name__ == 'FastAPI' for o in "
         "gc.get_objects())}))\n"

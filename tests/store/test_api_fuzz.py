@@ -28,7 +28,7 @@ def test_no_input_gives_a_server_error(api, monkeypatch):
     # it (a valid config for POST /plan) gets the helper's refusal, so everything before it is still fuzzed
     from fastapi import HTTPException
 
-    from collage.app import dataset_helper
+    from collage.app.datasets import client as dataset_helper
 
     def no_helper(request, timeout):
         raise HTTPException(400, f"the dataset helper does not run in this test tier ({request['op']})")

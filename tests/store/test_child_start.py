@@ -162,9 +162,9 @@ def test_the_supervisor_records_a_child_that_could_not_reach_the_store_as_such(a
     that says so once the supervisor reaches the store, never "exited with code 6"."""
     from collage.app.store.writer import StoreWriter
     from collage.worker.child import EXIT_STORE_UNREACHABLE
-    from collage.worker.supervisor import _record_exit
+    from collage.worker.supervisor import Watch, _record_exit
 
     writer = StoreWriter(attempt.engine, attempt.settings.artifacts)
-    assert _record_exit(writer, EXIT_STORE_UNREACHABLE, attempt.run_id, 1, None, False, None) == "failed"
+    assert _record_exit(writer, EXIT_STORE_UNREACHABLE, attempt.run_id, 1, None, False, Watch()) == "failed"
     run, _ = _stored(attempt)
     assert run.status == "failed" and "could not reach the run store" in run.error and "code 6" not in run.error

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from collage.app.bucket import BUCKET_THREADS
 from collage.app.store.images import relative_path
 from collage.app.store.tokens import create_token
-from collage.training.objectstore import StorageUnreachable
+from collage.training.infra.objectstore import StorageUnreachable
 from tests.support.api import API, filled_run, make_app, png
 from tests.support.waiting import scaled, wait_for
 
@@ -49,7 +49,7 @@ class StalledBucket:
 
 @pytest.fixture
 def stalled(database_url, tmp_path, monkeypatch):
-    import collage.training.objectstore as objectstore
+    import collage.training.infra.objectstore as objectstore
 
     bucket = StalledBucket()
     monkeypatch.setattr(objectstore, "_mirror", lambda *args, **kwargs: bucket)

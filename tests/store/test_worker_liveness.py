@@ -83,7 +83,7 @@ def test_health_reports_each_workers_disks_flagged_low_below_the_minimum(databas
     from collage.app.main import create_app
     from collage.app.store.engine import engine_for
     from collage.app.store.tokens import create_token
-    from collage.training.diskspace import space
+    from collage.training.infra.diskspace import space
     from collage.worker.registry import Registration
 
     engine = engine_for(database_url)

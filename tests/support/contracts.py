@@ -42,7 +42,7 @@ def _commands(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, arg
 
 
 def cli_help() -> str:
-    from collage.app.cli import build_parser
+    from collage.app.cli.main import build_parser
 
     before = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = COLUMNS

@@ -20,7 +20,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Block())
-from collage.app.cli import main
+from collage.app.cli.main import main
 sys.exit(main({argv!r}))
 """
 

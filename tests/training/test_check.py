@@ -3,7 +3,7 @@ max_prompt_length are named, image tokens per row are counted, and the CLI's out
 
 from __future__ import annotations
 
-from collage.app.cli import main
+from collage.app.cli.main import main
 from collage.training.data.check import check_dataset
 from tests.support.datasets import (
     BAD_ROWS,

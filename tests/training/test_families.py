@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from collage.app.cli import main as cli
+from collage.app.cli.main import main as cli
 from collage.training.batching.batch import collate
 from collage.training.batching.encoding import PromptEncoder
 from collage.training.batching.forward import forward_kwargs

@@ -113,7 +113,7 @@ def test_sizes():
 
 
 def test_collage_plan_on_the_command_line(tmp_path, capsys):
-    from collage.app.cli import main
+    from collage.app.cli.main import main
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"model": {"path": str(model_folder(tmp_path, QWEN25_VL_7B)), "dtype": "bfloat16"},

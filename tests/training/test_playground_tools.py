@@ -87,7 +87,7 @@ def forced(monkeypatch, tiny_model_dir):
 
 
 def test_later_turns_continue_from_the_cache_and_every_crop_comes_back(forced, tmp_path):
-    from collage.worker.playground_child import Playground
+    from collage.worker.playground.process import Playground
 
     events = []
     artifacts = tmp_path / "artifacts"

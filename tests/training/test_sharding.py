@@ -17,7 +17,7 @@ import torch.distributed as dist
 from collage.app.store.checkpoints import SHARDS as STORE_SHARDS
 from collage.training.checkpoint import CheckpointRefused
 from collage.training.config import parse_config
-from collage.training.errors import InputError
+from collage.training.infra.errors import InputError
 from collage.training.models.loading import load_model
 from collage.training.sharded_checkpoint import (
     SHARDS,

@@ -11,7 +11,7 @@ import pytest
 
 from collage.training.config import ConfigError, parse_config
 from collage.training.data.synth import cached_synth_dataset, clean_stale_temp_folders
-from collage.training.home import cache_dir
+from collage.training.infra.home import cache_dir
 
 
 def test_every_maximum_itself_is_accepted():

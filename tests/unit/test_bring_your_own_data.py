@@ -155,7 +155,7 @@ def test_a_csv_with_image_path_columns(tmp_path):
 
 
 def test_the_cli_checks_with_a_mapping_samples_and_writes_a_fixed_copy(tmp_path, capsys):
-    from collage.app.cli import main
+    from collage.app.cli.main import main
 
     folder = mixed_dataset(tmp_path / "data")
     with (folder / "train.jsonl").open("a") as fh:

@@ -8,7 +8,7 @@ import json
 import pytest
 from PIL import Image
 
-from collage.app.cli import main
+from collage.app.cli.main import main
 from collage.training.data.check import check_dataset
 from collage.training.data.errors import RowError
 from collage.training.data.rows import RawRow

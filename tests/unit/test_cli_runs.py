@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from collage.app import serve_record
+from collage.app.cli import serve_record
 
 
 def test_a_recycled_pid_is_not_taken_for_the_serve(tmp_path):

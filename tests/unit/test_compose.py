@@ -153,7 +153,7 @@ def test_no_volume_is_shared_between_a_web_node_and_a_worker():
 
 
 def test_service_commands_parse_and_match_their_roles():
-    from collage.app.cli import build_parser
+    from collage.app.cli.main import build_parser
 
     parser = build_parser()
     services = compose()["services"]
@@ -249,7 +249,7 @@ def directives(blocks, name: str) -> list:
 
 
 def test_the_replicas_profile_runs_two_web_replicas_of_the_same_image_and_command():
-    from collage.app.cli import build_parser
+    from collage.app.cli.main import build_parser
 
     services = compose()["services"]
     profiled = {name for name, service in services.items() if "replicas" in service.get("profiles", [])}

@@ -60,7 +60,7 @@ def test_the_launch_forms_help_is_the_schemas():
 
 
 def test_config_explain_prints_a_keys_meaning_type_default_and_limits(capsys):
-    from collage.app.cli import main
+    from collage.app.cli.main import main
 
     assert main(["config", "explain", "train.epsilon_high"]) == 0
     out = capsys.readouterr().out

@@ -18,8 +18,8 @@ from collage.training.data.check import check_dataset, dataset_fingerprint
 from collage.training.data.display import bounded
 from collage.training.data.errors import DatasetError, RowError
 from collage.training.data.loader import load_dataset
-from collage.training.home import cache_dir
-from collage.training.images import RASTER_FORMATS, decode_raster
+from collage.training.infra.home import cache_dir
+from collage.training.infra.images import RASTER_FORMATS, decode_raster
 from tests.support.hostile_data import (
     POSTSCRIPT,
     bomb_png,
@@ -170,7 +170,7 @@ def test_decompression_bombs_are_a_row_error(tmp_path, monkeypatch):
 
 
 def test_a_synth_preview_generates_only_its_rows_with_the_datasets_content(tmp_path, monkeypatch):
-    from collage.app.datahelper import preview_rows
+    from collage.app.datasets.process import preview_rows
 
     monkeypatch.setenv("COLLAGE_HOME", str(tmp_path / "home"))
     options = {"rows": 40, "min_images": 0, "max_images": 4, "seed": 5}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from collage.training.errors import CollageError, InputError, MissingExtraError, RunError
+from collage.training.infra.errors import CollageError, InputError, MissingExtraError, RunError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """The one direction between the tiers, checked on the source: ``training`` imports neither ``app`` nor ``worker``;
-``app`` never imports ``worker`` except in its composition roots (``app/cli.py`` starts workers, ``app/serve.py``
+``app`` never imports ``worker`` except in its composition roots (``app/cli/main.py`` starts workers, ``app/cli/serve.py``
 wires the Celery dispatcher and the reaper into the web process); ``worker`` uses only the app's kernel
 (``app/core``: settings, trust, extras, status, errors; ``app/store``: tables, engine, writer, queries), which imports
 neither fastapi nor torch; the web tier and the command line reach no torch (but the dataset process and `collage
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPOSITION_ROOTS = {"app/cli.py", "app/serve.py"}
+COMPOSITION_ROOTS = {"app/cli/main.py", "app/cli/serve.py"}
 
 
 def _nodes(tree: ast.AST, at_load: bool) -> list[ast.AST]:
@@ -215,10 +215,10 @@ def test_the_kernel_imports_neither_fastapi_nor_torch():
     assert heavy == {}, " ; ".join(" -> ".join(chain) for chain in heavy.values())
 
 
-DATASET_PROCESS = ("collage.app.datahelper",)  # the web tier's one torch process: it loads processors for checks
+DATASET_PROCESS = ("collage.app.datasets.process",)  # the web tier's one torch process: it loads processors for checks
 # `collage train` trains in its own process (torchrun launches it on every host: docs/scaling.md), the command line's
 # one door to the trainer; no other command, page or route may reach torch
-TRAIN_COMMAND = ["collage.app.cli", "collage.training.trainer"]
+TRAIN_COMMAND = ["collage.app.cli.main", "collage.training.trainer"]
 
 
 def test_the_web_tier_and_the_command_line_load_no_torch():

@@ -1,4 +1,4 @@
-"""Artifacts on object storage (collage.training.objectstore) without a server: S3 URLs parsed and bad ones named, a
+"""Artifacts on object storage (collage.training.infra.objectstore) without a server: S3 URLs parsed and bad ones named, a
 cache folder per bucket and prefix, transient faults told from lasting ones through boto3's wrappers, and a missing
 boto3 naming the extra to install."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from collage.training.errors import InputError
-from collage.training.objectstore import (
+from collage.training.infra.errors import InputError
+from collage.training.infra.objectstore import (
     ObjectMirror,
     S3Location,
     local_cache_root,
@@ -31,7 +31,7 @@ def test_transient_faults_are_told_from_lasting_ones_through_boto3_s_wrappers():
     from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import ClientError, EndpointConnectionError
 
-    from collage.training.objectstore import _is_transient
+    from collage.training.infra.objectstore import _is_transient
 
     def wrapped(error: BaseException) -> BaseException:
         try:
@@ -55,7 +55,7 @@ def test_transient_faults_are_told_from_lasting_ones_through_boto3_s_wrappers():
 def test_an_s3_url_without_boto3_names_the_extra_to_install(monkeypatch):
     import sys
 
-    from collage.training.errors import MissingExtraError
+    from collage.training.infra.errors import MissingExtraError
 
     monkeypatch.setitem(sys.modules, "boto3", None)  # as if it were not installed
     with pytest.raises(MissingExtraError, match=r"pip install 'collage-rl\[s3\]'"):
@@ -133,7 +133,7 @@ def published(tmp_path):
 
 
 def _cache_a_copy(bucket, cache):
-    from collage.training.objectstore import ensure_local_folder
+    from collage.training.infra.objectstore import ensure_local_folder
 
     assert ensure_local_folder(cache, cache / REL, bucket)
     bucket.fetched.clear()
@@ -141,7 +141,7 @@ def _cache_a_copy(bucket, cache):
 
 
 def test_an_intact_cached_copy_is_checked_against_its_manifest_and_used_without_a_download(published):
-    from collage.training.objectstore import ensure_local_folder
+    from collage.training.infra.objectstore import ensure_local_folder
 
     bucket, cache = published
     copy = _cache_a_copy(bucket, cache)
@@ -153,7 +153,7 @@ def test_an_intact_cached_copy_is_checked_against_its_manifest_and_used_without_
 def test_a_cached_copy_that_does_not_match_its_manifest_is_fetched_again_from_the_bucket(published, damage, caplog):
     """A worker's cached copy of a checkpoint is checked too (every file's size and SHA-256 as the manifest records
     them): one changed on this host, even keeping its size, is replaced by the bucket's checked copy."""
-    from collage.training.objectstore import ensure_local_folder
+    from collage.training.infra.objectstore import ensure_local_folder
 
     caplog.set_level("WARNING", logger="collage.objectstore")
     bucket, cache = published
@@ -173,7 +173,7 @@ def test_a_cached_copy_that_does_not_match_its_manifest_is_fetched_again_from_th
 
 
 def test_a_cached_copy_whose_bucket_copy_is_damaged_too_is_storage_damaged_naming_the_file(published):
-    from collage.training.objectstore import StorageDamaged, ensure_local_folder
+    from collage.training.infra.objectstore import StorageDamaged, ensure_local_folder
 
     bucket, cache = published
     copy = _cache_a_copy(bucket, cache)
@@ -185,7 +185,7 @@ def test_a_cached_copy_whose_bucket_copy_is_damaged_too_is_storage_damaged_namin
 
 
 def test_a_folder_is_told_from_its_manifest_by_size_then_sha256(published):
-    from collage.training.objectstore import folder_mismatch
+    from collage.training.infra.objectstore import folder_mismatch
 
     bucket, cache = published
     copy = _cache_a_copy(bucket, cache)
@@ -211,7 +211,7 @@ def test_a_folder_is_told_from_its_manifest_by_size_then_sha256(published):
     ],
 )
 def test_a_manifest_that_is_not_one_is_storage_damaged_not_a_crash(published, manifest, expected):
-    from collage.training.objectstore import StorageDamaged, ensure_local_folder
+    from collage.training.infra.objectstore import StorageDamaged, ensure_local_folder
 
     bucket, cache = published
     copy = _cache_a_copy(bucket, cache)
@@ -229,8 +229,8 @@ def test_a_folder_found_intact_is_not_read_again_until_one_of_its_files_changes(
     keeps the size and sets the modification time back."""
     import os
 
-    from collage.training import objectstore
-    from collage.training.objectstore import ensure_local_folder
+    from collage.training.infra import objectstore
+    from collage.training.infra.objectstore import ensure_local_folder
 
     bucket, cache = published
     copy = _cache_a_copy(bucket, cache)
@@ -251,8 +251,8 @@ def test_a_folder_found_intact_is_not_read_again_until_one_of_its_files_changes(
 def test_a_file_changed_just_before_its_check_is_read_again_at_the_next(published, monkeypatch):
     """A check trusts a file only if it was last changed well before that check began: a change within the clock's
     resolution of it could leave every time stamp as it was."""
-    from collage.training import objectstore
-    from collage.training.objectstore import ensure_local_folder
+    from collage.training.infra import objectstore
+    from collage.training.infra.objectstore import ensure_local_folder
 
     bucket, cache = published
     copy = _cache_a_copy(bucket, cache)  # every file written just now

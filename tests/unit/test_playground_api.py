@@ -9,7 +9,7 @@ import pytest
 
 
 def test_prompts_place_images_with_markers_or_before_the_text():
-    from collage.app.playground import Refused, prompt_conversation
+    from collage.app.playground.request import Refused, prompt_conversation
 
     assert prompt_conversation("Count.", 2) == (
         [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Count."}]}],

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_out_of_memory_is_a_clear_message_and_unloads_everything():
     import torch
 
-    from collage.worker.playground_child import Playground, answer
+    from collage.worker.playground.process import Playground, answer
 
     playground = Playground(lambda _m: None)
     playground.loaded["x"] = object()  # type: ignore[assignment]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collage.app.progress import ProgressBar
+from collage.app.cli.progress import ProgressBar
 
 
 def test_the_progress_line_shows_the_training_and_the_eval_reward(capsys, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def test_submit_follow_shows_the_eval_metric_once_one_is_logged():
     """`collage submit --follow`'s line: the training reward, then the held-out number the run is judged by."""
-    from collage.app.submit import shown_rewards
+    from collage.app.cli.submit import shown_rewards
 
     assert shown_rewards({"latest_reward": None}) == "-"
     assert (

@@ -25,9 +25,9 @@ SQL_TYPES = {"Engine", "Session"}
 
 # functions that hand the environment to a child process or set libraries' switches: plumbing, not configuration
 ENVIRONMENT_PLUMBING = {
-    ("app/dataset_helper.py", "_helper_env"),  # the dataset helper inherits the web process's environment
-    ("app/serve.py", "_spawn"),  # serve's embedded workers: its environment plus COLLAGE_PARENT_PID
-    ("app/progress.py", "quiet_library_progress_bars"),  # sets the Hugging Face libraries' own switches
+    ("app/datasets/client.py", "_helper_env"),  # the dataset helper inherits the web process's environment
+    ("app/cli/serve.py", "_spawn"),  # serve's embedded workers: its environment plus COLLAGE_PARENT_PID
+    ("app/cli/progress.py", "quiet_library_progress_bars"),  # sets the Hugging Face libraries' own switches
 }
 
 
@@ -108,11 +108,11 @@ def _environment_reads(tree: ast.Module) -> list[tuple[int, str]]:
 
 
 def test_only_the_settings_read_the_environment():
-    """Operator (and CLI client) configuration comes through app/core/settings.py; app/cli.py is the command line's own."""
+    """Operator (and CLI client) configuration comes through app/core/settings.py; app/cli/main.py is the command line's own."""
     found = []
     for path in sorted(APP.rglob("*.py")):
         rel = _rel(path)
-        if rel in ("app/core/settings.py", "app/cli.py"):
+        if rel in ("app/core/settings.py", "app/cli/main.py"):
             continue
         found += [f"{rel}:{line} {where}" for line, where in _environment_reads(_tree(path))
                   if (rel, where) not in ENVIRONMENT_PLUMBING]  # fmt: skip

@@ -21,10 +21,11 @@ from pathlib import Path
 from statistics import mean
 from typing import Any, Protocol
 
+from collage.training.infra.home import collage_home
+from collage.training.infra.images import ImageRefused, image_file
+from collage.training.infra.objectstore import ARTIFACTS_ENV, ENDPOINT_ENV, ObjectMirror, mirror_for
+
 from ..encoders import prompt_encoder_for
-from ..home import collage_home
-from ..images import ImageRefused, image_file
-from ..objectstore import ARTIFACTS_ENV, ENDPOINT_ENV, ObjectMirror, mirror_for
 from .errors import RowError
 from .loader import LoadedDataset, load_dataset
 from .rows import RawRow, Sample, image_source

@@ -4,7 +4,7 @@ that none of those readers imports another to name them."""
 
 from __future__ import annotations
 
-from ..errors import InputError
+from collage.training.infra.errors import InputError
 
 
 class RowError(InputError):

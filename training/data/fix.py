@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from collage.training.infra.errors import InputError
+
 from .errors import RowError
 from .loader import LoadedDataset
 

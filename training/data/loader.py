@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from collage.training.infra.images import resolve_roots
+
 from ..confine import file_problem
-from ..images import resolve_roots
 from .errors import DatasetError, RowError
 from .rows import RawRow, Sample
 from .rowsource import ArrowRows, ChainRows, JsonlRows, ParquetRows, RowSeq, parse_jsonl_line

@@ -15,7 +15,7 @@ from typing import Any
 
 from PIL import Image
 
-from ..images import (
+from collage.training.infra.images import (
     FileMissing,
     ImageRefused,
     ReadBudget,
@@ -24,6 +24,7 @@ from ..images import (
     image_file,
     read_image_file,
 )
+
 from .errors import RowError
 from .mapping import RowMapping
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import InputError
+from collage.training.infra.errors import InputError
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
 

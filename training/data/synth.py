@@ -33,8 +33,9 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from ..errors import InputError
-from ..home import cache_dir
+from collage.training.infra.errors import InputError
+from collage.training.infra.home import cache_dir
+
 from .rows import RawRow
 
 COLORS = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InputError
+from collage.training.infra.errors import InputError
 
 GRID = "grid"  # Qwen-VL: flat patch rows for the whole batch + image_grid_thw per image
 IMAGE_INDEXED = "image_indexed"  # LLaVA / Gemma3: one entry per image, no per-sample axis

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import RunError
-from ..home import cache_dir
+from collage.training.infra.errors import RunError
+from collage.training.infra.home import cache_dir
+
 from .families import Family, UnsupportedModelError, family_for_model_type
 from .tiny import BUILDERS, build_tiny
 

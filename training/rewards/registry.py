@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, RunError
+from collage.training.infra.errors import InputError, RunError
+
 from .builtins import BUILTINS, completion_text, prompt_text
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from PIL import Image
 
-from ..errors import InputError
+from collage.training.infra.errors import InputError
+
 from .types import ToolImage, ToolResult
 
 MIN_CROP_SIDE = 28  # a crop smaller than this on a side is refused: it is smaller than one vision patch pair

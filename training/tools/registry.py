@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InputError
+from collage.training.infra.errors import InputError
+
 from ..rewards.registry import DENIED_MODULES, IMPORT_PATH, module_allowed
 from .image_tools import BUILTIN_TOOLS
 

@@ -54,10 +54,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     synth = {}
     if args.source.startswith("synth:"):
         synth = dict(rows=args.rows, min_images=args.min_images, max_images=args.max_images, seed=args.seed)
+    from collage.app.cli.progress import CountProgress
     from collage.app.core.settings import get_settings
     from collage.training.data.errors import DatasetError
-
-    from .progress import CountProgress
 
     roots = get_settings().data_roots or None  # with COLLAGE_DATA_ROOTS set, images are confined as a worker does
     bar = CountProgress("checking rows") if not args.json else None
@@ -143,9 +142,8 @@ def _write_fix(args: argparse.Namespace, mapping, roots, synth) -> int:
 def _cmd_preview(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from collage.app.datasets.process import preview_rows
     from collage.training.data.loader import load_dataset
-
-    from .datahelper import preview_rows
 
     dataset = load_dataset(args.source, args.split)
     rows = preview_rows(dataset, args.rows, Path(args.artifacts))
@@ -166,8 +164,7 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 def _cmd_token_create(args: argparse.Namespace) -> int:
     from collage.app.store.engine import migrated_store
-
-    from .store.tokens import create_token
+    from collage.app.store.tokens import create_token
 
     token = create_token(migrated_store(), args.name, args.role, args.expires)
     print(token)
@@ -177,8 +174,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
 def _cmd_token_list(args: argparse.Namespace) -> int:
     from collage.app.store.engine import migrated_store
-
-    from .store.tokens import list_tokens, usable
+    from collage.app.store.tokens import list_tokens, usable
 
     rows: list[tuple[str, ...]] = [("NAME", "ROLE", "PREFIX", "CREATED", "LAST USED", "EXPIRES", "STATE")]
     for t in list_tokens(migrated_store()):
@@ -193,8 +189,7 @@ def _cmd_token_list(args: argparse.Namespace) -> int:
 
 def _cmd_token_revoke(args: argparse.Namespace) -> int:
     from collage.app.store.engine import migrated_store
-
-    from .store.tokens import revoke_token
+    from collage.app.store.tokens import revoke_token
 
     revoke_token(migrated_store(), args.name)
     print(f"revoked {args.name!r}: its API access and browser sessions have ended", file=sys.stderr)
@@ -202,11 +197,10 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_link(args: argparse.Namespace) -> int:
+    from collage.app.cli.serve_record import resolve_server
     from collage.app.core.settings import get_settings
     from collage.app.store.engine import migrated_store
-
-    from .serve_record import resolve_server
-    from .store.tokens import create_login_link
+    from collage.app.store.tokens import create_login_link
 
     code = create_login_link(migrated_store(), args.name)
     base = resolve_server(args.server, get_settings().home)
@@ -223,15 +217,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         require(
             "worker", f"collage serve --workers {args.workers} (embedded training workers; --workers 0 serves only)"
         )
+    from collage.app.cli.progress import quiet_library_progress_bars
+    from collage.app.cli.serve import serve, token_file
+    from collage.app.cli.serve_record import Recorder, client_url
     from collage.app.core.settings import get_settings
-
-    from .progress import quiet_library_progress_bars
-    from .serve import serve, token_file
-    from .serve_record import Recorder, client_url
 
     quiet_library_progress_bars()  # for the workers and the dataset helper serve starts: they inherit it
     home = get_settings().home
-    # where this serve listens, for `collage submit`, `runs` and `token link` on this machine (app/serve_record.py)
+    # where this serve listens, for `collage submit`, `runs` and `token link` on this machine (app/cli/serve_record.py)
     recorder = Recorder(home, client_url(args.host, args.port), args.workers, token_file(home)) if args.port else None
     if recorder is not None:
         recorder.start()
@@ -267,7 +260,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from collage.app.core.extras import require
 
     require("worker", "collage worker")
-    from .progress import quiet_library_progress_bars
+    from collage.app.cli.progress import quiet_library_progress_bars
 
     quiet_library_progress_bars()  # a worker's output is its log; the run's progress is in the store
     allow_embedded_root()
@@ -280,7 +273,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
-    from .submit import submit
+    from collage.app.cli.submit import submit
 
     return submit(args.config, args.set, args.server, args.token, args.follow)
 
@@ -288,10 +281,9 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from collage.app.cli.progress import ProgressBar, quiet_library_progress_bars
     from collage.training.config import load_config
     from collage.training.trainer import Trainer
-
-    from .progress import ProgressBar, quiet_library_progress_bars
 
     quiet_library_progress_bars()  # one progress bar, Collage's: a checkpoint save would draw another under it
     config = load_config(args.config, args.set)
@@ -331,15 +323,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from collage.app.core.extras import require
 
     require("worker", "collage export")
-    from .export_cli import export_command
-    from .progress import quiet_library_progress_bars
+    from collage.app.cli.export import export_command
+    from collage.app.cli.progress import quiet_library_progress_bars
 
     quiet_library_progress_bars()  # its own progress lines only
     return export_command(args.run_id, args.step, args.merge_lora, args.out, quiet=args.quiet)
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from .runs_cli import run_command
+    from collage.app.cli.runs import run_command
 
     return run_command(args)
 
@@ -359,7 +351,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .version import collage_version
+    from collage.app.version import collage_version
 
     parser = argparse.ArgumentParser(prog="collage", description="GRPO/RLOO fine-tuning of multi-image VLMs.")
     parser.add_argument("--version", action="version", version=f"collage {collage_version()}")
@@ -580,12 +572,12 @@ def _cmd_config_explain(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from collage.training.private import private_umask
+    from collage.training.infra.private import private_umask
 
     private_umask()  # everything collage writes (store, runs, checkpoints, caches) is its owner's alone
     args = build_parser().parse_args(argv)
     from collage.training.config import ConfigError
-    from collage.training.errors import CollageError
+    from collage.training.infra.errors import CollageError
 
     try:
         return args.func(args)
@@ -607,9 +599,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # the file system's word (permissions, a full disk, a folder that exists)
         print(f"collage: error: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    from collage.training.processes import exit_process
-
-    exit_process(main())

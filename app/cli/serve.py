@@ -15,10 +15,17 @@ from pathlib import Path
 
 from collage.app.core.settings import get_settings
 from collage.app.store.engine import engine_for, upgrade
+from collage.app.store.tokens import (
+    TokenRole,
+    create_login_link,
+    create_token,
+    list_tokens,
+    revoke_token,
+    usable,
+    verify_token,
+)
 from collage.training.data.synth import clean_stale_temp_folders
-from collage.training.objectstore import CACHE_UNITS
-
-from .store.tokens import TokenRole, create_login_link, create_token, list_tokens, revoke_token, usable, verify_token
+from collage.training.infra.objectstore import CACHE_UNITS
 
 
 def token_file(home: Path) -> Path:
@@ -61,10 +68,9 @@ def ensure_token(engine, home: Path, name: str = SERVE_TOKEN) -> str:
 def serve(host: str, port: int, workers: int) -> int:
     import uvicorn
 
+    from collage.app.main import create_app
     from collage.worker.dispatcher import CeleryDispatcher
     from collage.worker.reaper import Reaper
-
-    from .main import create_app
 
     settings = get_settings()
     upgrade(settings.database_url)

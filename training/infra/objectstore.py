@@ -37,7 +37,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import InputError, MissingExtraError, RunError
+from collage.training.infra.errors import InputError, MissingExtraError, RunError
 
 T = TypeVar("T")
 log = logging.getLogger("collage.objectstore")

@@ -12,10 +12,9 @@ from typing import Any
 
 import httpx
 
+from collage.app.cli.serve_record import resolve_server
 from collage.app.core.errors import WebError
 from collage.app.core.settings import ClientSettings, get_settings
-
-from .serve_record import resolve_server
 
 
 class ApiError(WebError):

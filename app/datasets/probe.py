@@ -1,7 +1,7 @@
 """Submit-time reading of a run's local dataset: a run whose mapped columns are missing, or whose dataset has no
 usable row among the first ones, is refused with 422 before it is created (no run, no queue, no GPU time).
 
-The dataset helper (``collage.app.datahelper``, the process that answers Preview) reads the first
+The dataset helper (``collage.app.datasets.process``, the process that answers Preview) reads the first
 :data:`PROBE_ROWS` rows under the same bounds and per-user gate as a preview; nothing is written. A synthetic
 source needs no probe, and a Hub id is read by the workers, not by the web host (which may not reach the Hub).
 """
@@ -15,11 +15,10 @@ from fastapi import HTTPException
 
 from collage.app.core.settings import Settings
 from collage.app.core.trust import is_local
+from collage.app.datasets.client import DatasetGate, run_gated
 from collage.app.store.tables import ApiToken
 from collage.training.config import RunConfig
 from collage.training.data.mapping import RowMapping
-
-from .dataset_helper import DatasetGate, run_gated
 
 PROBE_ROWS = 50
 

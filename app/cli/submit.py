@@ -9,11 +9,10 @@ from pathlib import Path
 import httpx
 import yaml
 
+from collage.app.cli.client import ApiError, connect, detail
+from collage.app.cli.serve_record import resolve_server, wait_ready
 from collage.app.core.settings import get_settings
 from collage.app.core.status import ENDED, RunStatus
-
-from .client import ApiError, connect, detail
-from .serve_record import resolve_server, wait_ready
 
 READY_WAIT = 120.0  # seconds `collage submit` waits for a serve that is still starting its workers
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RunError
+from collage.training.infra.errors import RunError
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # what libraries say instead of raising OSError(ENOSPC): safetensors (Rust's io::ErrorKind), SQLite, PostgreSQL

@@ -36,7 +36,7 @@ from typing import IO
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .errors import InputError, RunError
+from collage.training.infra.errors import InputError, RunError
 
 # Pillow format ids; the only decoders Collage ever lets Pillow run. MPO has no id of its own: Pillow's JPEG
 # decoder recognises it (and the image's format then reads "MPO")

@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from collage.training.errors import CollageError
-
-from .store import checkpoints as store
+from collage.app.store import checkpoints as store
+from collage.training.infra.errors import CollageError
 
 
 def _output_folder(text: str) -> Path | None:

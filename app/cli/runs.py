@@ -15,9 +15,8 @@ from typing import Any
 
 import httpx
 
+from collage.app.cli.client import ApiError, call, connect
 from collage.app.core.status import ENDED
-
-from .client import ApiError, call, connect
 
 EVENTS_PAGE = 1000  # the API's most per request
 

@@ -3,7 +3,7 @@
 Each check used to start ``collage data check`` afresh, and 25-30 s of a 200-row check went to importing torch,
 torchvision and transformers and loading the model's processor again: the rows themselves take about a second.
 The web process still never imports the training stack nor opens user files: it starts this module once
-(``python -m collage.app.datahelper``, in an empty folder, lazily or when the launch page opens) and sends it
+(``python -m collage.app.datasets.process``, in an empty folder, lazily or when the launch page opens) and sends it
 one JSON request per line on stdin; the answer is one JSON line on stdout. The helper keeps its imports and the
 processors it loaded (per model, reloaded when a local model's files change), and exits on its own after
 ``COLLAGE_DATA_HELPER_IDLE`` seconds without a request (default 600) or when its stdin closes (the web process
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from collage.training.objectstore import mirror_from_env
+from collage.training.infra.objectstore import mirror_from_env
 
 if TYPE_CHECKING:
     from collage.training.data.rows import RawRow
@@ -161,7 +161,7 @@ def preview_rows(
     from collage.app.store.images import write_image
     from collage.training.data.display import Budget, bounded
     from collage.training.data.errors import RowError
-    from collage.training.images import BudgetExhausted
+    from collage.training.infra.images import BudgetExhausted
 
     rows = []
     for raw in dataset.rows[:limit]:
@@ -197,7 +197,7 @@ def preview_rows(
 
 def preview(req: dict[str, Any]) -> dict[str, Any]:
     from collage.training.data.loader import load_dataset
-    from collage.training.images import ReadBudget
+    from collage.training.infra.images import ReadBudget
 
     source, split, artifacts = req["source"], req.get("split", "train"), Path(req["artifacts"])
     synth = (req.get("synth") or {}) if source.startswith("synth:") else {}
@@ -232,7 +232,7 @@ def probe(req: dict[str, Any]) -> dict[str, Any]:
     a mapped column is missing or no row it read is usable."""
     from collage.training.data.errors import RowError
     from collage.training.data.loader import load_dataset
-    from collage.training.images import BudgetExhausted, ReadBudget
+    from collage.training.infra.images import BudgetExhausted, ReadBudget
 
     source, split = req["source"], req.get("split", "train")
     limit = int(req.get("rows", 50))
@@ -301,7 +301,7 @@ def _import_light() -> None:
 
 
 def main() -> int:
-    from collage.training.private import private_umask
+    from collage.training.infra.private import private_umask
 
     private_umask()  # the preview images it writes into the artifacts are private
     from collage.app.core.settings import get_settings

@@ -1,5 +1,5 @@
 """Playground generations on a worker: the job handler (:func:`run_generate`) and the long-lived process that does
-the work (``collage.worker.playground_child``).
+the work (``collage.worker.playground.process``).
 
 The Celery process never imports torch: it keeps one playground process (:data:`PROCESS`), started for the first
 generation with the worker's GPU slot (its first GPU, or the CPU), and sends it one request per model of a job.
@@ -37,13 +37,12 @@ from collage.app.core.status import RunStatus
 from collage.app.core.trust import base_model_problem, reward_violation, tool_violation
 from collage.app.store import jobs as store
 from collage.app.store.jobs import model_summary
-
-from .errors import WorkerError
-from .jobs import JobCancelled, JobContext, JobFailed
+from collage.worker.errors import WorkerError
+from collage.worker.jobs import JobCancelled, JobContext, JobFailed
 
 log = logging.getLogger("collage.worker")
 
-CHILD = "collage.worker.playground_child"
+CHILD = "collage.worker.playground.process"
 POLL = 0.5  # seconds between looks at the job's status while the process works
 PHASES = {"received": 0.05, "loading": 0.1, "generating": 0.4, "scoring": 0.9}
 
@@ -71,9 +70,9 @@ class PlaygroundProcess:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def _start(self, settings: Settings) -> subprocess.Popen:
-        from . import tasks
-        from .child import NICE_ENV
-        from .playground_child import PARENT_ENV, TTL_ENV, WORKDIR_ENV
+        from collage.worker import tasks
+        from collage.worker.child import NICE_ENV
+        from collage.worker.playground.process import PARENT_ENV, TTL_ENV, WORKDIR_ENV
 
         env = dict(os.environ)
         if env.get("COLLAGE_HOME"):  # the process works in a folder of its own: the tiny-model cache stays put
@@ -224,7 +223,7 @@ PROCESS = PlaygroundProcess()
 @signals.task_prerun.connect(weak=False)
 def _training_starts(sender: Any = None, **_kwargs: Any) -> None:
     """A training is about to start on this worker: it gets the memory (the GPU) the playground's models hold."""
-    from .celery_app import TASK_NAME
+    from collage.worker.celery_app import TASK_NAME
 
     if getattr(sender, "name", None) == TASK_NAME and PROCESS.pid is not None:
         PROCESS.stop("a training starts on this worker")
@@ -256,7 +255,7 @@ def _local_checkpoint_model(model: dict[str, Any], settings: Settings) -> Path:
 def _rewards(model: dict[str, Any], settings: Settings) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """The model's rewards this worker may run (its COLLAGE_REWARD_MODULES, reward model folders under its roots),
     and why each other one was left out."""
-    from .playground_child import reward_name
+    from collage.worker.playground.process import reward_name
 
     allowed, refused = [], {}
     for spec in model.get("rewards") or []:

@@ -1,4 +1,4 @@
-"""The playground process of a worker: ``python -m collage.worker.playground_child``, started by
+"""The playground process of a worker: ``python -m collage.worker.playground.process``, started by
 :mod:`collage.worker.playground` (never by the Celery process's own imports: torch lives here).
 
 It keeps the model(s) of the last generation loaded, so the next request for the same model answers at once, and
@@ -6,7 +6,7 @@ exits on its own after ``COLLAGE_PLAYGROUND_TTL`` seconds without a request (the
 closes or its parent process is gone (the worker ended). A request for other models drops the
 ones the request does not name before it loads the new ones.
 
-Protocol (JSON lines, like ``collage.app.datahelper``): a request on stdin ``{"op": "generate", "model": {...},
+Protocol (JSON lines, like ``collage.app.datasets.process``): a request on stdin ``{"op": "generate", "model": {...},
 "keep": [{...}, ...], "prompt": [...], "images": [sha256, ...], "artifacts": DIR, "answer", "columns", "rewards":
 [...], "reward_modules": [...], "num_generations", "temperature", "top_p", "max_new_tokens", "seed", "tools": [...],
 "tool_modules": [...], "max_tool_calling_iterations", "max_images_per_rollout", "cancel": FILE}``; on stdout first
@@ -226,7 +226,7 @@ class Playground:
         from collage.app.store.images import relative_path
         from collage.training.data.errors import RowError
         from collage.training.data.rows import RawRow
-        from collage.training.images import FileMissing, ImageRefused, image_file, read_image_file, resolve_roots
+        from collage.training.infra.images import FileMissing, ImageRefused, image_file, read_image_file, resolve_roots
 
         artifacts = Path(req["artifacts"])
         roots = resolve_roots([artifacts])
@@ -605,7 +605,7 @@ def main() -> int:
     parent = int(os.environ.get(PARENT_ENV) or 0)
     if parent:
         watch_parent(parent)
-    from .child import lower_priority
+    from collage.worker.child import lower_priority
 
     lower_priority()  # the training's nice value: a playground on a shared machine leaves the web app its share
     if os.environ.get(WORKDIR_ENV):

@@ -19,15 +19,14 @@ from sqlmodel import Session
 from collage.app.core.errors import WebError
 from collage.app.core.settings import Settings
 from collage.app.core.trust import base_model_problem, tool_violation
+from collage.app.schemas import PLAYGROUND_TOOL_CALLS_MAX
+from collage.app.store import checkpoints as checkpoint_store
+from collage.app.store.checkpoints import CheckpointEntry
 from collage.app.store.tables import Run
 from collage.training.config import ConfigError, RunConfig, parse_config
 from collage.training.data.errors import RowError
 from collage.training.data.rows import normalise_prompt
-from collage.training.images import RASTER_FORMATS, ImageRefused, decode_raster
-
-from .schemas import PLAYGROUND_TOOL_CALLS_MAX
-from .store import checkpoints as checkpoint_store
-from .store.checkpoints import CheckpointEntry
+from collage.training.infra.images import RASTER_FORMATS, ImageRefused, decode_raster
 
 # the formats an upload may have: the raster allowlist of training.images, narrowed to what browsers and cameras
 # write (MPO is how Pillow names a multi-picture JPEG, decoded by the same JPEG decoder)

@@ -1,5 +1,5 @@
 """The dataset helper, seen from the web process: the long-lived child process that answers dataset requests
-(``collage.app.datahelper``) and the gate that bounds how many of them one web process takes on.
+(``collage.app.datasets.process``) and the gate that bounds how many of them one web process takes on.
 
 The web process never imports the training code (and never opens user files in-process): it hands each request to
 the helper, a child that keeps torch/transformers imported and the models' processors loaded between requests (a
@@ -65,7 +65,7 @@ class DataHelper:
         self.folder = tempfile.mkdtemp(prefix="collage-data-")
         self.buffer = b""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "collage.app.datahelper"],
+            [sys.executable, "-m", "collage.app.datasets.process"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=self.folder,
