@@ -300,7 +300,7 @@ def test_the_playground_process_ends_with_its_worker_even_while_busy():
     worker = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     pid = int(worker.stdout.readline())
     wait_for(
-        lambda: _running(pid) and "playground_child" in Path(f"/proc/{pid}/cmdline").read_text(),
+        lambda: _running(pid) and "collage.worker.playground.process" in Path(f"/proc/{pid}/cmdline").read_text(),
         "the child",
         timeout=30,
     )
