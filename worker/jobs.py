@@ -35,7 +35,7 @@ log = logging.getLogger("collage.worker")
 # kind -> "module:function" taking a JobContext and returning the job's result (a JSON object)
 HANDLERS: dict[JobKind, str] = {
     JobKind.EXPORT: "collage.worker.export_job:run_export",
-    JobKind.GENERATE: "collage.worker.playground:run_generate",
+    JobKind.GENERATE: "collage.worker.playground.service:run_generate",
 }
 
 

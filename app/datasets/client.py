@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import json
 import logging
 import os
-import select
 import shutil
 import subprocess
 import sys
@@ -33,7 +31,7 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from collage.app.core.errors import WebError
+from collage.app.core.jsonlines import ChildGone, JsonLinesChild
 from collage.app.core.settings import Settings, home_from
 from collage.app.store.tables import ApiToken
 from collage.training.data.check import remove_temp_files_of
@@ -45,10 +43,6 @@ TIMEOUT = 600
 RETRY_AFTER_SECONDS = 5
 
 
-class HelperDied(WebError, RuntimeError):
-    pass
-
-
 class DataHelper:
     """The child process that answers dataset requests, started on first use and restarted when it has exited
     (idle, crashed, or killed after a timeout). Thread-safe: requests are serialised."""
@@ -56,32 +50,21 @@ class DataHelper:
     def __init__(self, env: dict[str, str]):
         self.env = env
         self.lock = threading.Lock()
-        self.proc: subprocess.Popen | None = None
+        self.child = JsonLinesChild("the dataset helper")
         self.folder: str | None = None
-        self.buffer = b""
 
-    def _start(self) -> subprocess.Popen:
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.child.proc
+
+    def _start(self) -> None:
         self._stop()
         self.folder = tempfile.mkdtemp(prefix="collage-data-")
-        self.buffer = b""
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "collage.app.datasets.process"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=self.folder,
-            env=self.env,
-            start_new_session=True,  # a Ctrl-C at the server's terminal is the server's to handle
-        )
-        return self.proc
+        self.child.start([sys.executable, "-m", "collage.app.datasets.process"], self.env, cwd=self.folder)
 
     def _stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pipe in (proc.stdin, proc.stdout) if proc is not None else ():
-            if pipe is not None:
-                pipe.close()
+        proc = self.child.proc
+        self.child.kill()
         if proc is not None:
             self._remove_leftovers(proc.pid)
         if self.folder:
@@ -102,33 +85,18 @@ class DataHelper:
         with self.lock:
             self._stop()
 
-    def _exchange(self, proc: subprocess.Popen, line: bytes, timeout: float, deadline: float) -> dict[str, Any]:
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
-            proc.stdin.write(line)
-            proc.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise HelperDied(str(exc)) from exc
-        fd = proc.stdout.fileno()
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._stop()  # whatever it is stuck on, the next request gets a fresh helper
-                raise HTTPException(504, f"the dataset took longer than {timeout:.0f}s to read")
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise HelperDied(f"the dataset helper exited with code {proc.wait()}")
-                self.buffer += chunk
-        answer, _, self.buffer = self.buffer.partition(b"\n")
-        return json.loads(answer)
+    def _exchange(self, request: dict[str, Any], timeout: float, deadline: float) -> dict[str, Any]:
+        self.child.send(request)
+        answer = self.child.receive(until=deadline)
+        if answer is None:
+            self._stop()  # whatever it is stuck on, the next request gets a fresh helper
+            raise HTTPException(504, f"the dataset took longer than {timeout:.0f}s to read")
+        return answer
 
     def call(self, request: dict[str, Any], timeout: float = TIMEOUT) -> dict[str, Any]:
         """The helper's answer, ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": ...}``, within
         ``timeout`` seconds, waiting for other requests included (503 when they keep the helper that long, 504
         when this one runs past it). A helper that exited (idle, or crashed) is started again and asked once more."""
-        line = (json.dumps(request) + "\n").encode()
         deadline = time.monotonic() + timeout
         if timeout <= 0 or not self.lock.acquire(timeout=timeout):
             raise HTTPException(
@@ -138,10 +106,11 @@ class DataHelper:
             )
         try:
             for attempt in (1, 2):
-                proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
+                if self.child.running is None:
+                    self._start()
                 try:
-                    return self._exchange(proc, line, timeout, deadline)
-                except HelperDied as exc:
+                    return self._exchange(request, timeout, deadline)
+                except ChildGone as exc:
                     self._stop()
                     if attempt == 2:
                         raise HTTPException(500, f"the dataset helper failed: {exc}") from exc

@@ -3,7 +3,7 @@ follow and cancel the generation (docs/playground.md).
 
 Every member may use it. Uploads count against the uploading token's quota; a generation is seen (and cancelled)
 only by the token that asked for it, and by admins. The web node never loads a model: a generation is a job
-(``app.store.jobs``) on the run's queue, which a worker of that queue runs (``collage.worker.playground``).
+(``app.store.jobs``) on the run's queue, which a worker of that queue runs (``collage.worker.playground.service``).
 """
 
 from __future__ import annotations

@@ -34,10 +34,10 @@ def _tier_bases(tier: str) -> tuple[type[BaseException], ...]:
         from collage.worker.errors import WorkerError
 
         return (WorkerError,)
-    from collage.app.core.errors import WebError
+    from collage.app.core.errors import PlatformError, WebError
     from collage.app.store.errors import StoreError
 
-    return (WebError, StoreError)
+    return (WebError, StoreError, PlatformError)
 
 
 @pytest.mark.parametrize("tier", ["training", "worker", "app"])

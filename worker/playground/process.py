@@ -1,5 +1,5 @@
 """The playground process of a worker: ``python -m collage.worker.playground.process``, started by
-:mod:`collage.worker.playground` (never by the Celery process's own imports: torch lives here).
+:mod:`collage.worker.playground.service` (never by the Celery process's own imports: torch lives here).
 
 It keeps the model(s) of the last generation loaded, so the next request for the same model answers at once, and
 exits on its own after ``COLLAGE_PLAYGROUND_TTL`` seconds without a request (the memory goes back), when its stdin

@@ -16,12 +16,9 @@ of memory or the process dying all end the job ``failed`` with a message that sa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,12 +29,12 @@ from typing import Any
 
 from celery import signals
 
+from collage.app.core.jsonlines import ChildGone, JsonLinesChild
 from collage.app.core.settings import Settings
 from collage.app.core.status import RunStatus
 from collage.app.core.trust import base_model_problem, reward_violation, tool_violation
 from collage.app.store import jobs as store
 from collage.app.store.jobs import model_summary
-from collage.worker.errors import WorkerError
 from collage.worker.jobs import JobCancelled, JobContext, JobFailed
 
 log = logging.getLogger("collage.worker")
@@ -47,27 +44,18 @@ POLL = 0.5  # seconds between looks at the job's status while the process works
 PHASES = {"received": 0.05, "loading": 0.1, "generating": 0.4, "scoring": 0.9}
 
 
-class _Gone(WorkerError):
-    """The playground process ended; ``acknowledged``: whether it had begun on the request."""
-
-    def __init__(self, message: str, acknowledged: bool):
-        super().__init__(message)
-        self.acknowledged = acknowledged
-
-
 class PlaygroundProcess:
     """This worker's playground process: started when a generation needs it, reaped when it exits (its idle
     timeout, a crash, or a kill), one request at a time."""
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-        self.buffer = b""
+        self.child = JsonLinesChild("the worker's playground process")
         self.lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:
-        proc = self.proc
-        return proc.pid if proc is not None and proc.poll() is None else None
+        proc = self.child.running
+        return proc.pid if proc is not None else None
 
     def _start(self, settings: Settings) -> subprocess.Popen:
         from collage.worker import tasks
@@ -85,129 +73,89 @@ class PlaygroundProcess:
         # folder of its own: a relative `org/name` is never taken for a folder there
         folder = tempfile.mkdtemp(prefix="collage-playground-")
         env[WORKDIR_ENV] = folder
-        proc = subprocess.Popen(
-            [sys.executable, "-m", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-            start_new_session=True,  # its own process group: a Ctrl-C at the worker's terminal is the worker's
-        )  # fmt: skip
+        proc = self.child.start([sys.executable, "-m", CHILD], env)
         threading.Thread(target=_reap, args=(proc, folder), name="collage-playground-reaper", daemon=True).start()
         log.info("playground process %d started (models stay loaded %.0fs without a request)", proc.pid,
                  settings.playground_ttl)  # fmt: skip
-        self.proc, self.buffer = proc, b""
         return proc
 
     def stop(self, why: str) -> None:
         """End the process now (its models' memory goes back): stdin closed, then killed if it lingers."""
         with self.lock:
-            self._stop(why)
-
-    def _stop(self, why: str) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        log.info("playground process %d: stopping (%s)", proc.pid, why)
-        try:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            proc.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            _kill(proc)
+            proc = self.child.running
+            if proc is not None:
+                log.info("playground process %d: stopping (%s)", proc.pid, why)
+            self.child.close(grace=5)
 
     def call(self, request: dict[str, Any], context: JobContext, what: str, fraction: tuple[float, float]) -> dict:
         """The process's answer to ``request`` (its result or ``{"ok": false, ...}``); the job's progress follows its
         events. :class:`JobCancelled` once the job was cancelled and the process stopped (or was killed),
-        :class:`JobFailed` when it died or ran out of time."""
+        :class:`JobFailed` when it died or ran out of time. A process that was gone before it took the request (it
+        exited idle just then) is started again and asked once more."""
         with self.lock:
             for attempt in (1, 2):
-                proc = (
-                    self.proc if self.proc is not None and self.proc.poll() is None else self._start(context.settings)
-                )
+                proc = self.child.running or self._start(context.settings)
+                exchange = _Exchange(self.child, request, context, what, fraction)
                 try:
-                    return self._exchange(proc, request, context, what, fraction)
-                except _Gone as gone:
-                    self.proc = None
-                    if gone.acknowledged or attempt == 2:
+                    return exchange.run()
+                except ChildGone as gone:
+                    self.child.kill()
+                    if exchange.acknowledged or attempt == 2:
                         raise JobFailed(f"{what}: {gone}") from gone
                     log.info("playground process %d was gone before it took the request: starting another", proc.pid)
         raise AssertionError("unreachable")
 
-    def _exchange(
-        self, proc: subprocess.Popen, request: dict[str, Any], context: JobContext, what: str, span: tuple[float, float]
-    ) -> dict[str, Any]:
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
-            proc.stdin.write((json.dumps(request) + "\n").encode())
-            proc.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise _Gone(_ended(proc), acknowledged=False) from exc
-        settings = context.settings
-        cancel = Path(request["cancel"])
+
+class _Exchange:
+    """One request to the playground process, read until its answer: its events report the job's progress, a
+    cancel of the job touches the request's cancel file, and the cancel grace and the playground's time-out bound
+    it (the process is killed past either)."""
+
+    def __init__(
+        self, child: JsonLinesChild, request: dict[str, Any], context: JobContext, what: str, span: tuple[float, float]
+    ) -> None:
+        self.child, self.request, self.context, self.what, self.span = child, request, context, what, span
+        self.acknowledged = False  # whether the process began on the request (an event came)
+        self.cancelled_at: float | None = None
+
+    def run(self) -> dict[str, Any]:
+        settings = self.context.settings
+        self.child.send(self.request)
         deadline = time.monotonic() + settings.playground_timeout
-        cancelled_at: float | None = None
-        acknowledged = False
-        fd = proc.stdout.fileno()
         while True:
-            while b"\n" not in self.buffer:
-                if cancelled_at is None and context.cancelled():
-                    cancel.touch()  # the process stops at its next check (next token)
-                    cancelled_at = time.monotonic()
-                if cancelled_at is not None and time.monotonic() - cancelled_at > settings.cancel_grace:
-                    _kill(proc)
-                    self.proc = None
-                    raise JobCancelled(f"{what}: did not stop within {settings.cancel_grace:.0f}s and was killed")
-                if time.monotonic() > deadline:
-                    _kill(proc)
-                    self.proc = None
-                    raise JobFailed(
-                        f"{what}: took longer than {settings.playground_timeout:.0f}s (COLLAGE_PLAYGROUND_TIMEOUT) and "
-                        "was stopped: ask for fewer or shorter completions"
-                    )
-                ready, _, _ = select.select([fd], [], [], POLL)
-                if ready:
-                    chunk = os.read(fd, 1 << 16)
-                    if not chunk:
-                        raise _Gone(_ended(proc), acknowledged)
-                    self.buffer += chunk
-            line, _, self.buffer = self.buffer.partition(b"\n")
-            message = json.loads(line)
+            self._check_cancel(settings)
+            if time.monotonic() > deadline:
+                self.child.kill()
+                raise JobFailed(
+                    f"{self.what}: took longer than {settings.playground_timeout:.0f}s (COLLAGE_PLAYGROUND_TIMEOUT) "
+                    "and was stopped: ask for fewer or shorter completions"
+                )
+            message = self.child.receive(until=min(deadline, time.monotonic() + POLL))
+            if message is None:
+                continue
             event = message.get("event")
             if event is None:
-                if cancelled_at is not None and not message.get("cancelled"):
-                    raise JobCancelled(f"{what}: cancelled")  # it finished first: the cancel still wins
+                if self.cancelled_at is not None and not message.get("cancelled"):
+                    raise JobCancelled(f"{self.what}: cancelled")  # it finished first: the cancel still wins
                 return message
-            acknowledged = True
-            if cancelled_at is None:
-                low, high = span
+            self.acknowledged = True
+            if self.cancelled_at is None:
+                low, high = self.span
                 try:
-                    context.progress(low + (high - low) * PHASES.get(event, 0.0), f"{what}: {event}")
+                    self.context.progress(low + (high - low) * PHASES.get(event, 0.0), f"{self.what}: {event}")
                 except JobCancelled:  # seen by the progress report itself: stop the process's work the same way
-                    cancel.touch()
-                    cancelled_at = time.monotonic()
+                    self._cancel()
 
+    def _check_cancel(self, settings: Settings) -> None:
+        if self.cancelled_at is None and self.context.cancelled():
+            self._cancel()
+        if self.cancelled_at is not None and time.monotonic() - self.cancelled_at > settings.cancel_grace:
+            self.child.kill()
+            raise JobCancelled(f"{self.what}: did not stop within {settings.cancel_grace:.0f}s and was killed")
 
-def _ended(proc: subprocess.Popen) -> str:
-    try:
-        code = proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        code = proc.returncode
-    if code is not None and code < 0:
-        how = f"killed by signal {signal.Signals(-code).name}"
-        if -code == signal.SIGKILL:
-            how += " (out of memory? the kernel kills the largest process when memory runs out)"
-    else:
-        how = f"exited with code {code}"
-    return f"the worker's playground process {how}"
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        log.error("playground process %d did not die after SIGKILL", proc.pid)
+    def _cancel(self) -> None:
+        Path(self.request["cancel"]).touch()  # the process stops at its next check (next token)
+        self.cancelled_at = time.monotonic()
 
 
 def _reap(proc: subprocess.Popen, folder: str) -> None:
