@@ -154,13 +154,13 @@ def staging_dir(out: Path, step: int, fresh: bool = True) -> Path:
     return tmp
 
 
-def shards_failed(exc: BaseException, final: Path, tmp: Path, main: bool) -> BaseException:
+def shards_failed(exc: BaseException, final: Path) -> BaseException:
     """What a failed write of a sharded checkpoint's shards raises: :class:`DiskFull` naming the checkpoint and the
     space left when the disk filled up (``torch.distributed.checkpoint`` wraps the ENOSPC of whichever process hit
-    it in its own exception, on every process), else ``exc`` itself. The main process removes the staging folder."""
-    left = space_or_none(final.parent)  # before the partial folder is removed: the space the write found
-    if main:
-        shutil.rmtree(tmp, ignore_errors=True)
+    it in its own exception, on every process, and torch's own writer words it "unexpected pos"), else ``exc``
+    itself. Every process measures the space while the partial shards still fill the disk: the caller removes the
+    staging folder only once all of them have."""
+    left = space_or_none(final.parent)
     if full_disk_error(exc) is not None or (left is not None and left.free < FULL_BELOW):
         return DiskFull(final, "writing the checkpoint", left)
     return exc

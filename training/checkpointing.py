@@ -4,6 +4,7 @@ process writes), which ones ``save_total_limit`` keeps, and reading the newest b
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +175,8 @@ class Checkpointer:
         try:
             groups = save_shards(tmp, self.model, _torch_optimizer(self.optimizer), self.uses_lora, self.ref_model)
         except BaseException as exc:  # DCP gathers every process's write result: they all fail together
-            failed = shards_failed(exc, checkpoint_dir(self.out, step), tmp, main)
+            failed = shards_failed(exc, checkpoint_dir(self.out, step))
+            self._remove_staging(tmp, main)
             if failed is exc:
                 raise
             raise failed from exc
@@ -198,6 +200,17 @@ class Checkpointer:
         self.saved_step = step
         self.accelerator.wait_for_everyone()
         return path
+
+    def _remove_staging(self, tmp: Path, main: bool) -> None:
+        """After a failed write of the shards: once every process has judged the failure (a full disk is judged by
+        the space the partial shards leave), the main process removes them. Every process is here (DCP failed on
+        all of them together); a peer already gone makes the barrier fail, and the folder goes anyway."""
+        try:
+            self.accelerator.wait_for_everyone()
+        except Exception:  # noqa: BLE001 - the failure being raised is the one to report
+            pass
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _metric(self, step: int) -> tuple[str, float | None] | None:
         """``(metric_for_best_model, its value at this step)``; the value is None when the step did not log it (a
