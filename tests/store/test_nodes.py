@@ -4,6 +4,7 @@ verdict on the others (lost: the attempt fails; never started: the run is queued
 
 from __future__ import annotations
 
+import re
 import threading
 from datetime import timedelta
 
@@ -157,7 +158,9 @@ def test_a_host_that_stops_beating_is_lost_and_one_that_never_started_requeues_t
                         .values(heartbeat_at=old))  # fmt: skip
         session.commit()
     verdict = nodes.check_nodes(writer.engine, run_id, 2, timeout=30)
-    assert verdict is not None and verdict.lost and "stopped beating for 45s" in verdict.message
+    assert verdict is not None and verdict.lost, verdict
+    # at least the 45 s its row was set back (more on a slow machine: the age is read at the check)
+    assert int(re.search(r"stopped beating for (\d+)s", verdict.message).group(1)) >= 45, verdict.message
     nodes.end_node(writer.engine, run_id, 2, 1)
     assert nodes.check_nodes(writer.engine, run_id, 2, timeout=30) is None, "a host whose part ended is not lost"
 
